@@ -1,0 +1,52 @@
+#include "core/dtype.h"
+
+#include <array>
+#include <utility>
+
+#include "core/error.h"
+
+namespace k3 {
+namespace {
+
+struct DTypeInfo {
+  DType type;
+  std::string_view name;
+  size_t size;
+};
+
+constexpr std::array<DTypeInfo, 15> kTypes = {{
+    {DType::F64, "F64", 8},
+    {DType::F32, "F32", 4},
+    {DType::F16, "F16", 2},
+    {DType::BF16, "BF16", 2},
+    {DType::F8_E4M3, "F8_E4M3", 1},
+    {DType::F8_E5M2, "F8_E5M2", 1},
+    {DType::I64, "I64", 8},
+    {DType::I32, "I32", 4},
+    {DType::I16, "I16", 2},
+    {DType::I8, "I8", 1},
+    {DType::U64, "U64", 8},
+    {DType::U32, "U32", 4},
+    {DType::U16, "U16", 2},
+    {DType::U8, "U8", 1},
+    {DType::BOOL, "BOOL", 1},
+}};
+
+const DTypeInfo& info(DType t) {
+  for (const auto& i : kTypes)
+    if (i.type == t) return i;
+  fail("internal: unknown DType value ", static_cast<int>(t));
+}
+
+}  // namespace
+
+size_t dtype_size(DType t) { return info(t).size; }
+std::string_view dtype_name(DType t) { return info(t).name; }
+
+DType parse_dtype(std::string_view name) {
+  for (const auto& i : kTypes)
+    if (i.name == name) return i.type;
+  fail("unknown dtype \"", name, "\"");
+}
+
+}  // namespace k3

@@ -1,0 +1,33 @@
+// Token sampling: greedy, temperature, top-k, top-p, reproducible from a seed.
+#pragma once
+
+#include <cstdint>
+
+#include "core/rng.h"
+
+namespace k3::cpu {
+
+struct SamplingParams {
+  float temperature = 0.0f;  // <= 0: greedy (argmax, lowest id on ties)
+  int top_k = 0;             // <= 0: off
+  float top_p = 1.0f;        // >= 1: off
+  uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p);
+  // Picks a token from logits[vocab]: temperature, then top-k, then top-p (nucleus over the
+  // sorted probabilities, always keeping the first), then one draw from this sampler's stream.
+  int64_t sample(const float* logits, int64_t vocab);
+  const SamplingParams& params() const { return p_; }
+
+ private:
+  SamplingParams p_;
+  Rng rng_;
+};
+
+// Index of the largest logit (lowest index on ties).
+int64_t argmax(const float* logits, int64_t n);
+
+}  // namespace k3::cpu
