@@ -16,8 +16,9 @@ namespace k3 {
 
 // One mmap'd .safetensors file. Every entry is validated on open: dtype known, shape
 // non-negative, data_offsets in bounds, byte length == numel * dtype size, entries
-// non-overlapping and covering the data section; any violation raises k3::Error naming the
-// file and the tensor. Never crashes on malformed input.
+// non-overlapping (gaps and trailing bytes are tolerated), no duplicate names, __metadata__
+// string -> string; any violation raises k3::Error naming the file and the tensor. Never
+// crashes on malformed input.
 class SafetensorsFile {
  public:
   static std::unique_ptr<SafetensorsFile> open(const std::string& path);
@@ -84,9 +85,9 @@ class Checkpoint {
 // max_shard_bytes each (a tensor larger than that gets a shard of its own) and
 // model.safetensors.index.json with metadata.total_size. progress(n) is called with the
 // bytes written as they go.
-void write_sharded_checkpoint(const std::string& dir, const std::vector<TensorSpec>& tensors,
-                              uint64_t max_shard_bytes,
-                              const std::function<void(size_t index, uint8_t* out, size_t nbytes)>& fill,
-                              const std::function<void(uint64_t bytes)>& progress = {});
+void write_sharded_checkpoint(
+    const std::string& dir, const std::vector<TensorSpec>& tensors, uint64_t max_shard_bytes,
+    const std::function<void(size_t index, uint8_t* out, size_t nbytes)>& fill,
+    const std::function<void(uint64_t bytes)>& progress = {});
 
 }  // namespace k3
