@@ -24,6 +24,7 @@ struct LinearAttnConfig {
   bool use_full_rank_gate = false;        // output gate: g_proj (true) or g_a/g_b (false)
   std::vector<int> kda_layers;
   std::vector<int> full_attn_layers;
+  bool operator==(const LinearAttnConfig&) const = default;
 };
 
 // K3.1 DSA lightning indexer on the MLA layers (`text_config.dsa_config`).
@@ -34,6 +35,7 @@ struct DsaConfig {
   int index_topk = 0;
   int index_rope_dim = 0;                       // > 0: indexer RoPE (the engine refuses it)
   std::string index_k_norm_type = "layernorm";  // "layernorm" | "rms"
+  bool operator==(const DsaConfig&) const = default;
 };
 
 // `quantization_config` (compressed-tensors MXFP4 on the routed experts).
@@ -44,6 +46,7 @@ struct QuantizationConfig {
   int num_bits = 4;
   int group_size = 32;
   std::vector<std::string> ignore;
+  bool operator==(const QuantizationConfig&) const = default;
 };
 
 struct ModelConfig {
@@ -117,12 +120,20 @@ struct ModelConfig {
   // Epsilons the reference uses where config.json has no field (see DESIGN.md numerics).
   static constexpr float kQkL2NormEps = 1e-6f;   // FLA l2norm on KDA q/k
   static constexpr float kMlaLatentNormEps = 1e-6f;  // q_a_layernorm / kv_a_layernorm
+
+  // Field-for-field equality (the to_json -> parse round trip is tested with it).
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // Parses a config.json document; every unknown or inconsistent field raises k3::Error naming
 // the field (e.g. "text_config.linear_attn_config.kda_layers").
 ModelConfig parse_model_config(const nlohmann::json& doc);
+// `path` is a checkpoint directory (reads path/config.json) or the file itself. Errors name the
+// path (missing file, invalid JSON, or any parse error above).
 ModelConfig load_model_config(const std::string& path);
+// The consistency checks parse_model_config runs, for configs built in code (synth presets,
+// overrides). Messages name the field with its HF path ("text_config." prefix when nested).
+void validate_model_config(const ModelConfig& cfg);
 // Writes the HF layout back (nested text_config for K3, flat for Kimi-Linear).
 nlohmann::json model_config_to_json(const ModelConfig& cfg);
 
