@@ -10,7 +10,7 @@ namespace k3::cpu {
 struct SamplingParams {
   float temperature = 0.0f;  // <= 0: greedy (argmax, lowest id on ties)
   int top_k = 0;             // <= 0: off
-  float top_p = 1.0f;        // >= 1: off
+  float top_p = 1.0f;        // in (0, 1]; 1: off
   uint64_t seed = 0;
 };
 
