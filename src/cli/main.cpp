@@ -1,3 +1,22 @@
-// k3: the engine's command line (placeholder until the commands land).
-#include <cstdio>
-int main() { std::puts("k3"); return 0; }
+// k3: the engine's command line.
+#include "cli/commands/commands.h"
+
+#ifdef K3_HAVE_CUDA
+#include "cuda/device.h"
+
+static std::vector<std::string> list_gpus() {
+  std::vector<std::string> out;
+  for (const auto& d : k3::cuda::list_devices())
+    out.push_back(d.name + " (sm_" + std::to_string(d.sm_major) + std::to_string(d.sm_minor) + ", " +
+                  std::to_string(d.multiprocessors) + " SMs, " +
+                  std::to_string(d.global_memory >> 30) + " GiB)");
+  return out;
+}
+#endif
+
+int main(int argc, char** argv) {
+#ifdef K3_HAVE_CUDA
+  k3::cli::set_gpu_probe(list_gpus);
+#endif
+  return k3::cli::run_cli(argc, argv);
+}

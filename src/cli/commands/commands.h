@@ -1,0 +1,28 @@
+// The k3 subcommands. Each registers itself on the CLI11 app; errors are k3::Error and are
+// reported by run_cli as "error: ..." with exit status 1 (2 for usage errors).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace k3::cli {
+
+void register_generate(CLI::App& app);
+void register_synth(CLI::App& app);
+void register_inspect(CLI::App& app);
+
+// Directory of the built-in tiny model, synthesized on first use ($K3_CACHE_DIR, else
+// $XDG_CACHE_HOME/k3, else ~/.cache/k3).
+std::string builtin_tiny_model_dir();
+
+// GPUs visible to this build, one line each. The CUDA layer installs the probe from main(),
+// so the engine library itself never links the CUDA runtime.
+using GpuProbe = std::vector<std::string> (*)();
+void set_gpu_probe(GpuProbe probe);
+std::vector<std::string> probe_gpus();
+
+int run_cli(int argc, char** argv);
+
+}  // namespace k3::cli

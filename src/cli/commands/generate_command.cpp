@@ -1,0 +1,121 @@
+#include <cstdio>
+#include <memory>
+
+#include "cli/commands/commands.h"
+#include "core/error.h"
+#include "cpu/backbone.h"
+#include "cpu/generate.h"
+#include "model/loaded_model.h"
+#include "runtime/deploy_config.h"
+#include "text/byte_tokenizer.h"
+
+namespace k3::cli {
+namespace {
+
+GpuProbe g_probe = nullptr;
+
+struct GenerateOpts {
+  std::string model, prompt = "The Kimi K3 model", prompt_ids, device = "auto";
+  std::string decode_backend = "auto", kv_cache_dtype = "auto";
+  std::string mamba_cache_dtype = "auto", mamba_ssm_cache_dtype = "auto";
+  int max_tokens = 32;
+  int64_t max_model_len = 0;
+  float temperature = 0.0f, top_p = 1.0f;
+  int top_k = 0;
+  uint64_t seed = 0;
+  bool ignore_eos = false, show_ids = false, fp32 = false;
+};
+
+// The device the run uses. The CUDA decode path is not in this build yet, so a GPU is reported
+// and the CPU reference runs; asking for cuda explicitly is an error rather than a silent CPU run.
+std::string choose_device(const std::string& want) {
+  const std::vector<std::string> gpus = probe_gpus();
+  K3_CHECK(want == "auto" || want == "cpu" || want == "cuda", "--device must be auto, cpu or cuda, got \"",
+           want, "\"");
+  for (const auto& g : gpus) std::fprintf(stderr, "k3: found GPU %s\n", g.c_str());
+  K3_CHECK(want != "cuda", "--device cuda: this build has no CUDA decode backend yet; use --device cpu");
+  if (want == "auto" && !gpus.empty())
+    std::fprintf(stderr, "k3: the CUDA decode backend is not in this build yet; running on the CPU\n");
+  return "cpu";
+}
+
+void run_generate(const GenerateOpts& o) {
+  DeployConfig dc;
+  dc.decode_backend = parse_decode_backend(o.decode_backend);
+  dc.kv_cache_dtype = parse_kv_cache_dtype(o.kv_cache_dtype);
+  dc.mamba_cache_dtype = parse_state_dtype("mamba_cache_dtype", o.mamba_cache_dtype);
+  dc.mamba_ssm_cache_dtype = parse_state_dtype("mamba_ssm_cache_dtype", o.mamba_ssm_cache_dtype);
+  dc.max_model_len = o.max_model_len;
+
+  const std::string device = choose_device(o.device);
+  const std::string dir = o.model.empty() ? builtin_tiny_model_dir() : o.model;
+  const auto model = LoadedModel::load(dir);
+  const ModelConfig& cfg = model->config;
+  validate_deploy_config(cfg, dc);
+  // Refusals of the specialized path come first, with their reason, even on the CPU.
+  if (specialized_decode_config(cfg, dc))
+    fail("decode_backend latency_specialized runs on the CUDA executor, which this build lacks");
+  K3_CHECK(dc.kv_cache_dtype == KvCacheDtype::Auto || dc.kv_cache_dtype == KvCacheDtype::BFloat16,
+           "kv_cache_dtype ", name(dc.kv_cache_dtype),
+           " is not implemented by the CPU reference (it keeps a bfloat16 latent cache)");
+  const KdaDtypes kd = kda_dtypes(cfg, dc);
+  cpu::Numerics num;
+  num.bf16_activations = !o.fp32;
+  const cpu::CpuBackbone backbone(cfg, model->weights, {kd.conv, kd.recurrent}, num,
+                                  dc.max_model_len);
+
+  cpu::GenerateRequest req;
+  req.prompt = o.prompt_ids.empty() ? byte_encode(o.prompt) : parse_token_ids(o.prompt_ids);
+  if (o.prompt_ids.empty() && cfg.bos_token_id >= 0) req.prompt.insert(req.prompt.begin(), cfg.bos_token_id);
+  req.max_new_tokens = o.max_tokens;
+  req.sampling = {o.temperature, o.top_k, o.top_p, o.seed};
+  req.ignore_eos = o.ignore_eos;
+
+  std::fprintf(stderr, "k3: model %s (%d layers), device %s, prompt %zu tokens\n", dir.c_str(),
+               cfg.num_hidden_layers, device.c_str(), req.prompt.size());
+  const cpu::GenerateResult res = cpu::generate(backbone, req, [&](int64_t tok) {
+    if (o.show_ids)
+      std::printf("%lld ", static_cast<long long>(tok));
+    else
+      std::fputs(byte_decode({tok}).c_str(), stdout);
+    std::fflush(stdout);
+  });
+  std::printf("\n");
+  const double tps = res.decode_seconds > 0 ? res.tokens.size() / res.decode_seconds : 0.0;
+  std::fprintf(stderr, "k3: %zu tokens (%s), prefill %.1f ms, decode %.1f tok/s\n",
+               res.tokens.size(), res.finish_reason.c_str(), res.prefill_seconds * 1e3, tps);
+}
+
+}  // namespace
+
+void set_gpu_probe(GpuProbe probe) { g_probe = probe; }
+std::vector<std::string> probe_gpus() { return g_probe ? g_probe() : std::vector<std::string>{}; }
+
+void register_generate(CLI::App& app) {
+  auto o = std::make_shared<GenerateOpts>();
+  CLI::App* sub = app.add_subcommand("generate", "generate text (built-in tiny model by default)");
+  sub->add_option("--model", o->model, "checkpoint directory (default: the built-in tiny model)");
+  sub->add_option("--prompt", o->prompt, "prompt text (byte-level tokens)")->capture_default_str();
+  sub->add_option("--prompt-ids", o->prompt_ids, "prompt as comma-separated token ids");
+  sub->add_option("--max-tokens", o->max_tokens, "tokens to generate")->capture_default_str();
+  sub->add_option("--temperature", o->temperature, "0: greedy")->capture_default_str();
+  sub->add_option("--top-k", o->top_k, "0: off")->capture_default_str();
+  sub->add_option("--top-p", o->top_p, "1: off")->capture_default_str();
+  sub->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
+  sub->add_option("--device", o->device, "auto | cpu | cuda")->capture_default_str();
+  sub->add_option("--decode-backend", o->decode_backend, "auto | latency_specialized")
+      ->capture_default_str();
+  sub->add_option("--kv-cache-dtype", o->kv_cache_dtype, "auto | bfloat16 | fp8 | fp8_ds_mla | nvfp4_ds_mla")
+      ->capture_default_str();
+  sub->add_option("--mamba-cache-dtype", o->mamba_cache_dtype, "KDA conv state dtype")
+      ->capture_default_str();
+  sub->add_option("--mamba-ssm-cache-dtype", o->mamba_ssm_cache_dtype, "KDA recurrent state dtype")
+      ->capture_default_str();
+  sub->add_option("--max-model-len", o->max_model_len, "context limit (0: the model's)");
+  sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop at the end-of-sequence token");
+  sub->add_flag("--show-ids", o->show_ids, "print token ids instead of text");
+  sub->add_flag("--fp32", o->fp32, "pure fp32 activations (no bf16 rounding at boundaries)");
+  sub->callback([o] { run_generate(*o); });
+}
+
+}  // namespace k3::cli

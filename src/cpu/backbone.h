@@ -1,0 +1,44 @@
+// The CPU reference backbone: the executable specification of one K3 decode step
+// (embedding, Attention Residuals, KDA / MLA(+DSA) layers, dense FFN / latent MoE, final norm,
+// lm_head). Prefill runs token by token through the same step.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "cpu/decode_state.h"
+#include "cpu/numerics.h"
+#include "model/config.h"
+#include "model/model_weights.h"
+
+namespace k3::cpu {
+
+// Optional per-layer observer (for diff reports): called after each sublayer with the layer
+// index, "attn" or "ffn", and that sublayer's output [hidden].
+using LayerObserver = std::function<void(int layer, const char* part, const float* out)>;
+
+class CpuBackbone {
+ public:
+  CpuBackbone(const ModelConfig& cfg, const ModelWeights& w, KdaStateDtypes state_dtypes,
+              Numerics num = {}, int64_t max_context = 0);
+
+  DecodeState new_state() const;
+  // Consumes one token at state.position; writes logits[vocab_size] (fp32).
+  void step(DecodeState& state, int64_t token, float* logits,
+            const LayerObserver& observe = {}) const;
+  // Feeds tokens in order; returns the logits after the last one.
+  std::vector<float> prefill(DecodeState& state, const std::vector<int64_t>& tokens) const;
+
+  const ModelConfig& config() const { return cfg_; }
+  int64_t max_context() const { return max_context_; }
+
+ private:
+  const ModelConfig& cfg_;
+  const ModelWeights& w_;
+  KdaStateDtypes dtypes_;
+  Numerics num_;
+  int64_t max_context_;
+};
+
+}  // namespace k3::cpu

@@ -1,0 +1,88 @@
+#include "cpu/decode_state.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "core/numeric.h"
+
+namespace k3::cpu {
+
+StateBuffer::StateBuffer(DType dtype, size_t n) : dtype_(dtype), n_(n) {
+  K3_CHECK(dtype == DType::F32 || dtype == DType::BF16 || dtype == DType::F16,
+           "decode state dtype must be F32, BF16 or F16, got ", dtype_name(dtype));
+  bytes_.assign(n * dtype_size(dtype), 0);
+}
+
+void StateBuffer::load(float* out) const {
+  switch (dtype_) {
+    case DType::F32:
+      std::memcpy(out, bytes_.data(), 4 * n_);
+      return;
+    case DType::BF16:
+      for (size_t i = 0; i < n_; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes_.data() + 2 * i, 2);
+        out[i] = bf16_to_float(h);
+      }
+      return;
+    default:
+      for (size_t i = 0; i < n_; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes_.data() + 2 * i, 2);
+        out[i] = f16_to_float(h);
+      }
+  }
+}
+
+void StateBuffer::store(const float* in) {
+  switch (dtype_) {
+    case DType::F32:
+      std::memcpy(bytes_.data(), in, 4 * n_);
+      return;
+    case DType::BF16:
+      for (size_t i = 0; i < n_; ++i) {
+        const uint16_t h = float_to_bf16(in[i]);
+        std::memcpy(bytes_.data() + 2 * i, &h, 2);
+      }
+      return;
+    default:
+      for (size_t i = 0; i < n_; ++i) {
+        const uint16_t h = float_to_f16(in[i]);
+        std::memcpy(bytes_.data() + 2 * i, &h, 2);
+      }
+  }
+}
+
+void StateBuffer::zero() { std::fill(bytes_.begin(), bytes_.end(), 0); }
+
+void DecodeState::reset() {
+  position = 0;
+  for (auto& k : kda) {
+    k.recurrent.zero();
+    k.conv.zero();
+  }
+  for (auto& m : mla) {
+    m.latent.clear();
+    m.index_keys.clear();
+    m.index_scales.clear();
+  }
+}
+
+DecodeState make_decode_state(const ModelConfig& cfg, const KdaStateDtypes& dt) {
+  DecodeState s;
+  const size_t layers = static_cast<size_t>(cfg.num_hidden_layers);
+  s.kda.resize(layers);
+  s.mla.resize(layers);
+  const auto& la = cfg.linear_attn_config;
+  const size_t D = static_cast<size_t>(la.head_dim);
+  const size_t P = static_cast<size_t>(cfg.kda_proj_dim());
+  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+    if (cfg.layer_kind(l) != LayerKind::KDA) continue;
+    auto& k = s.kda[static_cast<size_t>(l)];
+    k.recurrent = StateBuffer(dt.recurrent, static_cast<size_t>(la.num_heads) * D * D);
+    k.conv = StateBuffer(dt.conv, 3 * P * static_cast<size_t>(la.short_conv_kernel_size - 1));
+  }
+  return s;
+}
+
+}  // namespace k3::cpu
