@@ -53,8 +53,12 @@ Init init_for(const ModelConfig& c, const WeightEntry& e, const Shape& shape) {
   if (shape.size() == 1 || ends_with(n, "norm.weight")) return {Init::Kind::OnePlusNormal, 0, 0.1f};
   if (e.kind == WeightKind::Embedding) return {Init::Kind::Normal, 0.0f, 1.0f};
   const float fan_in = static_cast<float>(shape.back());
-  // Sharper logits than unit scale so sampling has something to choose between.
-  const float gain = e.kind == WeightKind::LmHead ? 2.0f : 1.0f;
+  // Sharper logits than unit scale so sampling has something to choose between. KDA values get
+  // a larger gain: with random (untrained) q and k, |S^T q| is ~|v|/head_dim, and at unit scale
+  // the per-head RMS of the KDA output would sit below the gated norm's epsilon.
+  float gain = 1.0f;
+  if (e.kind == WeightKind::LmHead) gain = 2.0f;
+  if (e.kind == WeightKind::KdaProj && ends_with(n, "v_proj.weight")) gain = 4.0f;
   return {Init::Kind::Normal, 0.0f, gain / std::sqrt(fan_in)};
 }
 

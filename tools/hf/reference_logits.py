@@ -22,7 +22,9 @@ def main():
         ckpt, dtype=torch.float32, output_loading_info=True)
     model.eval()
     with torch.no_grad():
-        logits = model(torch.tensor([tokens])).logits[0].float()
+        out = model(torch.tensor([tokens]), output_hidden_states=True)
+    logits = out.logits[0].float()
+    hidden = [h[0].float().tolist() for h in out.hidden_states]
     json.dump({
         "transformers": transformers.__version__,
         "torch": torch.__version__,
@@ -30,6 +32,7 @@ def main():
         "loading_info": {k: sorted(map(str, v)) for k, v in info.items()},
         "tokens": tokens,
         "logits": logits.tolist(),
+        "hidden_states": hidden,
     }, open(out, "w"))
     missing = info.get("missing_keys", [])
     unexpected = info.get("unexpected_keys", [])
