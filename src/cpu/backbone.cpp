@@ -34,7 +34,7 @@ class ResidualBank {
 
 }  // namespace
 
-CpuBackbone::CpuBackbone(const ModelConfig& cfg, const ModelWeights& w, KdaStateDtypes dt,
+CpuBackbone::CpuBackbone(const ModelConfig& cfg, const ModelWeights& w, StateDtypes dt,
                          Numerics num, int64_t max_context)
     : cfg_(cfg),
       w_(w),

@@ -20,7 +20,7 @@ using LayerObserver = std::function<void(int layer, const char* part, const floa
 
 class CpuBackbone {
  public:
-  CpuBackbone(const ModelConfig& cfg, const ModelWeights& w, KdaStateDtypes state_dtypes,
+  CpuBackbone(const ModelConfig& cfg, const ModelWeights& w, StateDtypes state_dtypes,
               Numerics num = {}, int64_t max_context = 0);
 
   DecodeState new_state() const;
@@ -36,7 +36,7 @@ class CpuBackbone {
  private:
   const ModelConfig& cfg_;
   const ModelWeights& w_;
-  KdaStateDtypes dtypes_;
+  StateDtypes dtypes_;
   Numerics num_;
   int64_t max_context_;
 };

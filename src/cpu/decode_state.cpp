@@ -68,7 +68,16 @@ void DecodeState::reset() {
   }
 }
 
-DecodeState make_decode_state(const ModelConfig& cfg, const KdaStateDtypes& dt) {
+float round_to(DType t, float v) {
+  switch (t) {
+    case DType::F32: return v;
+    case DType::BF16: return round_bf16(v);
+    case DType::F16: return f16_to_float(float_to_f16(v));
+    default: fail("decode state dtype must be F32, BF16 or F16, got ", dtype_name(t));
+  }
+}
+
+DecodeState make_decode_state(const ModelConfig& cfg, const StateDtypes& dt) {
   DecodeState s;
   const size_t layers = static_cast<size_t>(cfg.num_hidden_layers);
   s.kda.resize(layers);
@@ -77,7 +86,11 @@ DecodeState make_decode_state(const ModelConfig& cfg, const KdaStateDtypes& dt) 
   const size_t D = static_cast<size_t>(la.head_dim);
   const size_t P = static_cast<size_t>(cfg.kda_proj_dim());
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-    if (cfg.layer_kind(l) != LayerKind::KDA) continue;
+    if (cfg.layer_kind(l) != LayerKind::KDA) {
+      round_to(dt.latent, 0.0f);  // validates the dtype
+      s.mla[static_cast<size_t>(l)].latent_dtype = dt.latent;
+      continue;
+    }
     auto& k = s.kda[static_cast<size_t>(l)];
     k.recurrent = StateBuffer(dt.recurrent, static_cast<size_t>(la.num_heads) * D * D);
     k.conv = StateBuffer(dt.conv, 3 * P * static_cast<size_t>(la.short_conv_kernel_size - 1));

@@ -34,7 +34,10 @@ struct KdaLayerState {
 };
 
 struct MlaLayerState {
-  std::vector<uint16_t> latent;      // [T][kv_lora + rope] bf16: normed c, then raw k_pe
+  // [T][kv_lora + rope]: normed c, then raw k_pe; each value rounded to latent_dtype when
+  // appended, so it holds exactly what a cache of that dtype holds.
+  DType latent_dtype = DType::BF16;
+  std::vector<float> latent;
   std::vector<uint8_t> index_keys;   // [T][index_head_dim] fp8 e4m3 (DSA only)
   std::vector<float> index_scales;   // [T][index_head_dim / 128 (at least 1)] fp32 (DSA only)
 };
@@ -48,12 +51,17 @@ struct DecodeState {
   void reset();
 };
 
-struct KdaStateDtypes {
+// Storage dtypes of the decode state: KDA conv and recurrent state (from kda_dtypes()) and the
+// MLA latent cache (bf16 for kv_cache_dtype auto / bfloat16; F32 only for fp32 reference runs).
+struct StateDtypes {
   DType conv = DType::BF16;
   DType recurrent = DType::F32;
+  DType latent = DType::BF16;
 };
 
-DecodeState make_decode_state(const ModelConfig& cfg, const KdaStateDtypes& dtypes);
+DecodeState make_decode_state(const ModelConfig& cfg, const StateDtypes& dtypes);
+// v rounded to a state dtype (F32, BF16 or F16).
+float round_to(DType t, float v);
 
 // Index-key scale blocks per token: one fp32 scale per 128 values (at least one block).
 inline int64_t index_scale_blocks(int64_t head_dim) { return (head_dim + 127) / 128; }

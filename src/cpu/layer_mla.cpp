@@ -94,18 +94,17 @@ void mla_attention(const ModelConfig& cfg, const MlaWeights& w, const Numerics& 
   const size_t row = static_cast<size_t>(kvl + rope);
   const size_t base = st.latent.size();
   st.latent.resize(base + row);
-  for (size_t i = 0; i < row; ++i) st.latent[base + i] = float_to_bf16(kv[i]);
+  for (size_t i = 0; i < row; ++i) st.latent[base + i] = round_to(st.latent_dtype, kv[i]);
   const int64_t T = static_cast<int64_t>(st.latent.size() / row);
 
   std::vector<int64_t> selected;
   if (w.indexer) selected = dsa_select(cfg, *w.indexer, num, st, x, r.data(), T);
 
-  // Decode the bf16 cache into the op's fp32 layout.
+  // Split the cache rows into the op's c and k_pe arrays.
   std::vector<float> cache_c(static_cast<size_t>(T * kvl)), cache_pe(static_cast<size_t>(T * rope));
   for (int64_t t = 0; t < T; ++t) {
-    for (int i = 0; i < kvl; ++i) cache_c[t * kvl + i] = bf16_to_float(st.latent[t * row + i]);
-    for (int i = 0; i < rope; ++i)
-      cache_pe[t * rope + i] = bf16_to_float(st.latent[t * row + kvl + i]);
+    for (int i = 0; i < kvl; ++i) cache_c[t * kvl + i] = st.latent[t * row + i];
+    for (int i = 0; i < rope; ++i) cache_pe[t * rope + i] = st.latent[t * row + kvl + i];
   }
   std::vector<float> q_nope(static_cast<size_t>(heads * nope)), q_pe(static_cast<size_t>(heads * rope));
   for (int h = 0; h < heads; ++h) {

@@ -163,23 +163,6 @@ ModelConfig kimi_linear_tiny() {
   return c;
 }
 
-// Kimi-Linear's flat layout carrying the K3 features transformers' kimi_linear also implements
-// (AttnRes, SiTU, the lower-bounded decay gate, full-rank KDA gate, q-LoRA and gated MLA), so an
-// external implementation can check them; the latent MoE and MXFP4 experts stay off.
-ModelConfig kimi_linear_tiny_k3_features() {
-  ModelConfig c = kimi_linear_tiny();
-  c.q_lora_rank = 64;
-  c.mla_use_output_gate = true;
-  c.linear_attn_config.gate_lower_bound = -5.0f;
-  c.linear_attn_config.use_full_rank_gate = true;
-  c.hidden_act = "situ";
-  c.activation_situ_beta = 4.0f;
-  c.activation_situ_linear_beta = 25.0f;
-  c.attn_res_block_size = 2;
-  c.routed_scaling_factor = 1.0f;
-  return c;
-}
-
 struct Preset {
   const char* name;
   ModelConfig (*make)();
@@ -194,7 +177,6 @@ const Preset kPresets[] = {
        return c;
      }},
     {"tiny-kimi-linear", kimi_linear_tiny},
-    {"tiny-kimi-linear-k3", kimi_linear_tiny_k3_features},
     {"k3", k3_full},
     {"k3.1",
      [] {

@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 
 def main():
-    ckpt, out = sys.argv[1], sys.argv[2]
+    ckpt, out_path = sys.argv[1], sys.argv[2]
     tokens = [int(t) for t in sys.argv[3:]] or [256, 72, 101, 108, 108, 111, 44, 32, 75, 51]
     cfg = AutoConfig.from_pretrained(ckpt)
     model, info = AutoModelForCausalLM.from_pretrained(
@@ -33,7 +33,7 @@ def main():
         "tokens": tokens,
         "logits": logits.tolist(),
         "hidden_states": hidden,
-    }, open(out, "w"))
+    }, open(out_path, "w"))
     missing = info.get("missing_keys", [])
     unexpected = info.get("unexpected_keys", [])
     print(f"{ckpt}: {type(cfg).__name__}, {len(missing)} missing, {len(unexpected)} unexpected keys")
