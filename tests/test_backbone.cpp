@@ -25,8 +25,7 @@ const LoadedModel& tiny_model(const std::string& preset) {
   static std::map<std::string, std::unique_ptr<LoadedModel>> cache;
   auto& slot = cache[preset];
   if (!slot) {
-    const fs::path dir = fs::path(::testing::TempDir()) / ("k3_backbone_" + preset);
-    fs::remove_all(dir);
+    const fs::path dir = test::temp_dir("backbone_" + preset);
     SynthOptions so;
     so.seed = 1;
     synthesize_checkpoint(synth_preset(preset), dir.string(), so);
@@ -43,7 +42,8 @@ std::vector<int64_t> prompt_of(const ModelConfig& c, uint64_t seed, size_t n) {
   return p;
 }
 
-std::vector<std::vector<float>> run_logits(const cpu::CpuBackbone& b, const std::vector<int64_t>& toks) {
+std::vector<std::vector<float>> run_logits(const cpu::CpuBackbone& b,
+                                           const std::vector<int64_t>& toks) {
   cpu::DecodeState st = b.new_state();
   std::vector<std::vector<float>> out;
   std::vector<float> logits(static_cast<size_t>(b.config().vocab_size));

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <string>
 
+#include "test_util.h"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -32,12 +34,12 @@ CliRun run(const std::string& args, const std::string& env = "") {
 }
 
 std::string temp(const std::string& name) {
-  const fs::path d = fs::path(::testing::TempDir()) / ("k3_cli_" + name);
-  fs::remove_all(d);
-  return d.string();
+  return k3::test::temp_dir("cli_" + name).string();
 }
 
-bool has(const CliRun& r, const std::string& s) { return r.output.find(s) != std::string::npos; }
+bool has(const CliRun& r, const std::string& s) {
+  return r.output.find(s) != std::string::npos;
+}
 
 TEST(Cli, GenerateWithTheBuiltinTinyModel) {
   const std::string env = "K3_CACHE_DIR=" + temp("cache");
@@ -61,11 +63,13 @@ TEST(Cli, GenerateWithTheBuiltinTinyModel) {
 
 TEST(Cli, SynthThenInspect) {
   const std::string dir = temp("synth");
-  const CliRun s = run("synth --preset tiny-k3.1 --out " + dir + " --seed 3 --shard-size-gb 0.0002");
+  const CliRun s =
+      run("synth --preset tiny-k3.1 --out " + dir + " --seed 3 --shard-size-gb 0.0002");
   ASSERT_EQ(s.status, 0) << s.output;
   EXPECT_TRUE(fs::exists(dir + "/model.safetensors.index.json"));
   size_t shards = 0;
-  for (const auto& e : fs::directory_iterator(dir)) shards += e.path().extension() == ".safetensors";
+  for (const auto& e : fs::directory_iterator(dir))
+    shards += e.path().extension() == ".safetensors";
   EXPECT_GE(shards, 2u) << "expected several shards of <= 200 KB";
   const CliRun i = run("inspect " + dir);
   ASSERT_EQ(i.status, 0) << i.output;

@@ -39,19 +39,21 @@ std::string checkpoint_fingerprint(const Checkpoint& ckpt) {
 TEST(HfReference, TinyKimiLinearLogitsMatchTransformers) {
   const auto fixture = nlohmann::json::parse(
       std::ifstream(std::string(K3_SOURCE_DIR) + "/tests/data/hf_reference/tiny-kimi-linear.json"));
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "k3_hf_ref";
-  std::filesystem::remove_all(dir);
+  const std::filesystem::path dir = test::temp_dir("hf_ref");
   SynthOptions so;
   so.seed = fixture["seed"].get<uint64_t>();
   synthesize_checkpoint(synth_preset(fixture["preset"].get<std::string>()), dir.string(), so);
   const auto model = LoadedModel::load(dir.string());
-  ASSERT_EQ(checkpoint_fingerprint(*model->checkpoint), fixture["checkpoint_fnv1a64"].get<std::string>())
-      << "the synthetic checkpoint changed: regenerate the fixture with tools/hf/reference_logits.py";
+  ASSERT_EQ(checkpoint_fingerprint(*model->checkpoint),
+            fixture["checkpoint_fnv1a64"].get<std::string>())
+      << "the synthetic checkpoint changed: regenerate the fixture with "
+         "tools/hf/reference_logits.py";
 
   // fp32 throughout, like the reference run: no bf16 activations, an fp32 latent cache.
   cpu::Numerics fp32;
   fp32.bf16_activations = false;
-  const cpu::CpuBackbone b(model->config, model->weights, {DType::F32, DType::F32, DType::F32}, fp32);
+  const cpu::CpuBackbone b(model->config, model->weights, {DType::F32, DType::F32, DType::F32},
+                           fp32);
   cpu::DecodeState st = b.new_state();
   std::vector<float> logits(static_cast<size_t>(model->config.vocab_size));
   const auto& tokens = fixture["tokens"];

@@ -4,9 +4,12 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
@@ -25,6 +28,14 @@ inline uint64_t test_seed() {
 }
 inline std::string seed_trace(uint64_t seed) {
   return "seed " + std::to_string(seed) + " (rerun with K3_TEST_SEED=" + std::to_string(seed) + ")";
+}
+
+// A fresh, empty directory private to this test process (ctest runs tests in parallel).
+inline std::filesystem::path temp_dir(const std::string& name) {
+  const auto d = std::filesystem::temp_directory_path() /
+                 ("k3_test_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove_all(d);
+  return d;
 }
 
 inline std::vector<float> random_normal(Rng& rng, size_t n, float scale = 1.0f) {

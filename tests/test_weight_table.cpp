@@ -2,8 +2,8 @@
 // against checkpoints that are wrong in known ways.
 #include <gtest/gtest.h>
 
-#include <filesystem>
 #include <cstring>
+#include <filesystem>
 #include <map>
 
 #include "core/error.h"
@@ -12,6 +12,7 @@
 #include "model/weight_table.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
+#include "test_util.h"
 
 namespace k3 {
 namespace {
@@ -19,9 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path fresh_dir(const std::string& name) {
-  const fs::path d = fs::path(::testing::TempDir()) / ("k3_wt_" + name);
-  fs::remove_all(d);
-  return d;
+  return test::temp_dir("wt_" + name);
 }
 
 TEST(WeightTable, FullK3MatchesThePublishedParameterAndByteCounts) {
@@ -131,7 +130,8 @@ TEST(WeightTable, OneErrorListsEveryMissingAndMismatchedTensor) {
   } catch (const Error& e) {
     const std::string msg = e.what();
     EXPECT_NE(msg.find("missing: " + dropped), std::string::npos) << msg;
-    EXPECT_NE(msg.find("mismatched: " + reshaped + ": got BF16 [129, 32]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("mismatched: " + reshaped + ": got BF16 [129, 32]"), std::string::npos)
+        << msg;
     EXPECT_EQ(msg.find("vision_tower"), std::string::npos) << msg;
   }
   fs::remove_all(dir);

@@ -7,8 +7,8 @@
 static std::vector<std::string> list_gpus() {
   std::vector<std::string> out;
   for (const auto& d : k3::cuda::list_devices())
-    out.push_back(d.name + " (sm_" + std::to_string(d.sm_major) + std::to_string(d.sm_minor) + ", " +
-                  std::to_string(d.multiprocessors) + " SMs, " +
+    out.push_back(d.name + " (sm_" + std::to_string(d.sm_major) + std::to_string(d.sm_minor) +
+                  ", " + std::to_string(d.multiprocessors) + " SMs, " +
                   std::to_string(d.global_memory >> 30) + " GiB)");
   return out;
 }

@@ -40,8 +40,12 @@ const DTypeInfo& info(DType t) {
 
 }  // namespace
 
-size_t dtype_size(DType t) { return info(t).size; }
-std::string_view dtype_name(DType t) { return info(t).name; }
+size_t dtype_size(DType t) {
+  return info(t).size;
+}
+std::string_view dtype_name(DType t) {
+  return info(t).name;
+}
 
 DType parse_dtype(std::string_view name) {
   for (const auto& i : kTypes)

@@ -32,7 +32,7 @@ template <typename... Parts>
 }  // namespace k3
 
 // Checked in every build type. The message parts are only evaluated on failure.
-#define K3_CHECK(cond, ...)                     \
-  do {                                          \
-    if (!(cond)) ::k3::fail(__VA_ARGS__);       \
+#define K3_CHECK(cond, ...)               \
+  do {                                    \
+    if (!(cond)) ::k3::fail(__VA_ARGS__); \
   } while (0)

@@ -20,7 +20,7 @@ uint16_t float_to_f16(float f) {
   const float a = std::fabs(f);
   if (std::isnan(f)) return static_cast<uint16_t>(sign | 0x7e00u);
   if (a >= 65520.0f) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-  if (a < 6.103515625e-05f) {  // subnormal half: multiples of 2^-24
+  if (a < 6.103515625e-05f) {                         // subnormal half: multiples of 2^-24
     const float q = std::nearbyint(a * 16777216.0f);  // ties-to-even in default rounding mode
     return static_cast<uint16_t>(sign | static_cast<uint16_t>(q));
   }
@@ -48,7 +48,7 @@ uint8_t float_to_e4m3(float f) {
   const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
   float a = std::fabs(f);
   if (a >= kE4M3Max) return static_cast<uint8_t>(sign | 0x7e);  // saturate to 448
-  if (a < std::ldexp(1.0f, -6)) {                                // subnormal: multiples of 2^-9
+  if (a < std::ldexp(1.0f, -6)) {                               // subnormal: multiples of 2^-9
     const float q = std::nearbyint(a * 512.0f);
     return static_cast<uint8_t>(sign | static_cast<uint8_t>(q));  // q == 8 is the first normal
   }

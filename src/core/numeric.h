@@ -21,14 +21,18 @@ inline uint32_t float_to_bits(float f) {
 }
 
 // ---- bfloat16: the top 16 bits of an IEEE float, rounded to nearest even. ----
-inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+inline float bf16_to_float(uint16_t h) {
+  return bits_to_float(static_cast<uint32_t>(h) << 16);
+}
 inline uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
-inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+inline float round_bf16(float f) {
+  return bf16_to_float(float_to_bf16(f));
+}
 inline void round_bf16(std::span<float> v) {
   for (float& x : v) x = round_bf16(x);
 }

@@ -6,14 +6,18 @@
 
 namespace k3 {
 
-bool stderr_is_tty() { return isatty(STDERR_FILENO) == 1; }
+bool stderr_is_tty() {
+  return isatty(STDERR_FILENO) == 1;
+}
 
 ProgressBar::ProgressBar(std::string label, uint64_t total, bool enabled)
     : label_(std::move(label)), total_(total ? total : 1), enabled_(enabled) {
   start_ = last_draw_ = std::chrono::steady_clock::now();
 }
 
-ProgressBar::~ProgressBar() { finish(); }
+ProgressBar::~ProgressBar() {
+  finish();
+}
 
 void ProgressBar::advance(uint64_t n) {
   done_ += n;

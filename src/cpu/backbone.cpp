@@ -22,8 +22,8 @@ class ResidualBank {
     std::vector<const float*> src;
     for (const auto& b : blocks_) src.push_back(b.data());
     src.push_back(P.data());
-    attn_res_mix(src.data(), static_cast<int>(src.size()), w.data(),
-                 static_cast<int64_t>(hidden_), eps, out);
+    attn_res_mix(src.data(), static_cast<int>(src.size()), w.data(), static_cast<int64_t>(hidden_),
+                 eps, out);
     num.round(out, hidden_);
   }
 
@@ -42,12 +42,14 @@ CpuBackbone::CpuBackbone(const ModelConfig& cfg, const ModelWeights& w, StateDty
       num_(num),
       max_context_(max_context > 0 ? max_context : cfg.max_position_embeddings) {}
 
-DecodeState CpuBackbone::new_state() const { return make_decode_state(cfg_, dtypes_); }
+DecodeState CpuBackbone::new_state() const {
+  return make_decode_state(cfg_, dtypes_);
+}
 
 void CpuBackbone::step(DecodeState& st, int64_t token, float* logits,
                        const LayerObserver& observe) const {
-  K3_CHECK(token >= 0 && token < cfg_.vocab_size, "token id ", token, " is outside the vocabulary [0, ",
-           cfg_.vocab_size, ")");
+  K3_CHECK(token >= 0 && token < cfg_.vocab_size, "token id ", token,
+           " is outside the vocabulary [0, ", cfg_.vocab_size, ")");
   K3_CHECK(st.position < max_context_, "context length ", max_context_, " exceeded");
   K3_CHECK(static_cast<int>(st.kda.size()) == cfg_.num_hidden_layers,
            "decode state was made for another model");

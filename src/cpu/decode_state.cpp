@@ -53,7 +53,9 @@ void StateBuffer::store(const float* in) {
   }
 }
 
-void StateBuffer::zero() { std::fill(bytes_.begin(), bytes_.end(), 0); }
+void StateBuffer::zero() {
+  std::fill(bytes_.begin(), bytes_.end(), 0);
+}
 
 void DecodeState::reset() {
   position = 0;
@@ -70,10 +72,14 @@ void DecodeState::reset() {
 
 float round_to(DType t, float v) {
   switch (t) {
-    case DType::F32: return v;
-    case DType::BF16: return round_bf16(v);
-    case DType::F16: return f16_to_float(float_to_f16(v));
-    default: fail("decode state dtype must be F32, BF16 or F16, got ", dtype_name(t));
+    case DType::F32:
+      return v;
+    case DType::BF16:
+      return round_bf16(v);
+    case DType::F16:
+      return f16_to_float(float_to_f16(v));
+    default:
+      fail("decode state dtype must be F32, BF16 or F16, got ", dtype_name(t));
   }
 }
 

@@ -18,8 +18,8 @@ class StateBuffer {
   StateBuffer(DType dtype, size_t n);
   DType dtype() const { return dtype_; }
   size_t size() const { return n_; }
-  void load(float* out) const;      // out[size()]
-  void store(const float* in);      // in[size()], rounded to dtype
+  void load(float* out) const;  // out[size()]
+  void store(const float* in);  // in[size()], rounded to dtype
   void zero();
 
  private:
@@ -38,14 +38,14 @@ struct MlaLayerState {
   // appended, so it holds exactly what a cache of that dtype holds.
   DType latent_dtype = DType::BF16;
   std::vector<float> latent;
-  std::vector<uint8_t> index_keys;   // [T][index_head_dim] fp8 e4m3 (DSA only)
-  std::vector<float> index_scales;   // [T][index_head_dim / 128 (at least 1)] fp32 (DSA only)
+  std::vector<uint8_t> index_keys;  // [T][index_head_dim] fp8 e4m3 (DSA only)
+  std::vector<float> index_scales;  // [T][index_head_dim / 128 (at least 1)] fp32 (DSA only)
 };
 
 struct DecodeState {
-  int64_t position = 0;                // tokens consumed so far
-  std::vector<KdaLayerState> kda;      // [num_hidden_layers]; empty buffers on MLA layers
-  std::vector<MlaLayerState> mla;      // [num_hidden_layers]; empty on KDA layers
+  int64_t position = 0;            // tokens consumed so far
+  std::vector<KdaLayerState> kda;  // [num_hidden_layers]; empty buffers on MLA layers
+  std::vector<MlaLayerState> mla;  // [num_hidden_layers]; empty on KDA layers
 
   // Back to an empty context, keeping the allocations (a slot reused by a new request).
   void reset();
@@ -64,6 +64,8 @@ DecodeState make_decode_state(const ModelConfig& cfg, const StateDtypes& dtypes)
 float round_to(DType t, float v);
 
 // Index-key scale blocks per token: one fp32 scale per 128 values (at least one block).
-inline int64_t index_scale_blocks(int64_t head_dim) { return (head_dim + 127) / 128; }
+inline int64_t index_scale_blocks(int64_t head_dim) {
+  return (head_dim + 127) / 128;
+}
 
 }  // namespace k3::cpu

@@ -12,8 +12,9 @@ GenerateResult generate(const CpuBackbone& model, const GenerateRequest& req,
   K3_CHECK(!req.prompt.empty(), "the prompt is empty");
   K3_CHECK(req.max_new_tokens >= 0, "max_new_tokens must be >= 0, got ", req.max_new_tokens);
   const int64_t total = static_cast<int64_t>(req.prompt.size()) + req.max_new_tokens;
-  K3_CHECK(total <= model.max_context(), "prompt (", req.prompt.size(), " tokens) + max_new_tokens (",
-           req.max_new_tokens, ") exceeds the context length ", model.max_context());
+  K3_CHECK(total <= model.max_context(), "prompt (", req.prompt.size(),
+           " tokens) + max_new_tokens (", req.max_new_tokens, ") exceeds the context length ",
+           model.max_context());
   const auto& eos = model.config().eos_token_ids;
   using clock = std::chrono::steady_clock;
 

@@ -29,8 +29,8 @@ void kda_attention(const ModelConfig& cfg, const KdaWeights& w, const Numerics& 
     kda_short_conv_step(u.data() + i * Pz, window.data() + i * Pz * (K - 1), *conv[i], P, K,
                         qkv.data() + i * Pz);
   state.conv.store(window.data());
-  float* q = qkv.data();           // [heads][D]
-  float* k = qkv.data() + Pz;      // [heads][D]
+  float* q = qkv.data();                 // [heads][D]
+  float* k = qkv.data() + Pz;            // [heads][D]
   const float* v = qkv.data() + 2 * Pz;  // [heads][D]
   for (int h = 0; h < heads; ++h) {
     l2_normalize(q + h * D, D, ModelConfig::kQkL2NormEps);

@@ -31,7 +31,8 @@ std::vector<int64_t> dsa_select(const ModelConfig& cfg, const DsaIndexerWeights&
   const size_t kq = st.index_keys.size(), ks = st.index_scales.size();
   st.index_keys.resize(kq + static_cast<size_t>(hd));
   st.index_scales.resize(ks + static_cast<size_t>(blocks));
-  quantize_fp8_blocks(key.data(), hd, block, st.index_keys.data() + kq, st.index_scales.data() + ks);
+  quantize_fp8_blocks(key.data(), hd, block, st.index_keys.data() + kq,
+                      st.index_scales.data() + ks);
 
   // Query heads from the normed q latent, rotated and fp8-quantized like the keys.
   std::vector<float> q(static_cast<size_t>(nh * hd));  // [nh][hd]
@@ -106,7 +107,8 @@ void mla_attention(const ModelConfig& cfg, const MlaWeights& w, const Numerics& 
     for (int i = 0; i < kvl; ++i) cache_c[t * kvl + i] = st.latent[t * row + i];
     for (int i = 0; i < rope; ++i) cache_pe[t * rope + i] = st.latent[t * row + kvl + i];
   }
-  std::vector<float> q_nope(static_cast<size_t>(heads * nope)), q_pe(static_cast<size_t>(heads * rope));
+  std::vector<float> q_nope(static_cast<size_t>(heads * nope)),
+      q_pe(static_cast<size_t>(heads * rope));
   for (int h = 0; h < heads; ++h) {
     for (int i = 0; i < nope; ++i) q_nope[h * nope + i] = q[h * qhd + i];
     for (int i = 0; i < rope; ++i) q_pe[h * rope + i] = q[h * qhd + nope + i];

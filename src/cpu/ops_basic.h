@@ -28,7 +28,8 @@ float softplus(float x);  // log(1 + e^x), linear above 20 as in PyTorch
 
 // The gated activation of every MLP: act(g) * lin(u).
 //   SiLU:  silu(g) * u
-//   SiTU:  [beta tanh(g/beta) sigmoid(g)] * [linear_beta tanh(u/linear_beta)]  (u unchanged if unset)
+//   SiTU:  [beta tanh(g/beta) sigmoid(g)] * [linear_beta tanh(u/linear_beta)]  (u unchanged if
+//   unset)
 struct GluActivation {
   enum class Kind { SiLU, SiTU } kind = Kind::SiLU;
   float beta = 4.0f;

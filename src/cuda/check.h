@@ -6,12 +6,12 @@
 
 #include "core/error.h"
 
-#define K3_CUDA_CHECK(call)                                                               \
-  do {                                                                                    \
-    const cudaError_t k3_err_ = (call);                                                   \
-    if (k3_err_ != cudaSuccess)                                                           \
+#define K3_CUDA_CHECK(call)                                                                   \
+  do {                                                                                        \
+    const cudaError_t k3_err_ = (call);                                                       \
+    if (k3_err_ != cudaSuccess)                                                               \
       ::k3::fail("CUDA error ", cudaGetErrorName(k3_err_), " (", cudaGetErrorString(k3_err_), \
-                 ") in ", #call, " at ", __FILE__, ":", __LINE__);                        \
+                 ") in ", #call, " at ", __FILE__, ":", __LINE__);                            \
   } while (0)
 
 // After a kernel launch: launch-configuration errors surface here.

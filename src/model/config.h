@@ -51,8 +51,9 @@ struct QuantizationConfig {
 
 struct ModelConfig {
   // Top level.
-  std::string architecture;  // architectures[0]: KimiK3ForConditionalGeneration | KimiLinearForCausalLM
-  std::string model_type;    // top-level model_type: kimi_k3 | kimi_linear
+  std::string
+      architecture;  // architectures[0]: KimiK3ForConditionalGeneration | KimiLinearForCausalLM
+  std::string model_type;           // top-level model_type: kimi_k3 | kimi_linear
   bool nested_text_config = false;  // K3 layout: text_config nested, tensors under language_model.
 
   // text_config (or the flat Kimi-Linear config).
@@ -101,8 +102,8 @@ struct ModelConfig {
   QuantizationConfig quantization_config;
 
   // ---- derived ----
-  LayerKind layer_kind(int layer) const;     // 0-based layer
-  bool is_moe_layer(int layer) const;        // false: dense FFN
+  LayerKind layer_kind(int layer) const;          // 0-based layer
+  bool is_moe_layer(int layer) const;             // false: dense FFN
   bool is_attn_res_write_layer(int layer) const;  // AttnRes on and layer % block == 0
   bool has_attn_res() const { return attn_res_block_size > 0; }
   bool has_dsa() const { return dsa_config.enabled; }
@@ -118,7 +119,7 @@ struct ModelConfig {
   std::string tensor_prefix() const;
   std::string lm_head_name() const;
   // Epsilons the reference uses where config.json has no field (see DESIGN.md numerics).
-  static constexpr float kQkL2NormEps = 1e-6f;   // FLA l2norm on KDA q/k
+  static constexpr float kQkL2NormEps = 1e-6f;       // FLA l2norm on KDA q/k
   static constexpr float kMlaLatentNormEps = 1e-6f;  // q_a_layernorm / kv_a_layernorm
 
   // Field-for-field equality (the to_json -> parse round trip is tested with it).

@@ -30,7 +30,8 @@ class Binder {
     return has(n) ? vec(n) : std::vector<float>{};
   }
   WeightMatrix mxfp4(const std::string& stem) const {
-    return WeightMatrix::from_mxfp4(tensor(stem + ".weight_packed"), tensor(stem + ".weight_scale"));
+    return WeightMatrix::from_mxfp4(tensor(stem + ".weight_packed"),
+                                    tensor(stem + ".weight_scale"));
   }
 
  private:

@@ -9,10 +9,14 @@ namespace k3 {
 
 std::string_view weight_format_name(WeightFormat f) {
   switch (f) {
-    case WeightFormat::F32: return "F32";
-    case WeightFormat::BF16: return "BF16";
-    case WeightFormat::F16: return "F16";
-    case WeightFormat::MXFP4: return "MXFP4";
+    case WeightFormat::F32:
+      return "F32";
+    case WeightFormat::BF16:
+      return "BF16";
+    case WeightFormat::F16:
+      return "F16";
+    case WeightFormat::MXFP4:
+      return "MXFP4";
   }
   return "?";
 }
@@ -64,10 +68,13 @@ void WeightMatrix::row_to_float(int64_t r, float* out) const {
 uint64_t WeightMatrix::storage_bytes() const {
   const uint64_t n = static_cast<uint64_t>(rows * cols);
   switch (format) {
-    case WeightFormat::F32: return 4 * n;
+    case WeightFormat::F32:
+      return 4 * n;
     case WeightFormat::BF16:
-    case WeightFormat::F16: return 2 * n;
-    case WeightFormat::MXFP4: return n / 2 + n / 32;
+    case WeightFormat::F16:
+      return 2 * n;
+    case WeightFormat::MXFP4:
+      return n / 2 + n / 32;
   }
   return 0;
 }
@@ -76,10 +83,17 @@ WeightMatrix WeightMatrix::from_tensor(const TensorView& t) {
   WeightMatrix m;
   m.name = t.name;
   switch (t.dtype) {
-    case DType::F32: m.format = WeightFormat::F32; break;
-    case DType::BF16: m.format = WeightFormat::BF16; break;
-    case DType::F16: m.format = WeightFormat::F16; break;
-    default: fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " cannot be used as a dense weight");
+    case DType::F32:
+      m.format = WeightFormat::F32;
+      break;
+    case DType::BF16:
+      m.format = WeightFormat::BF16;
+      break;
+    case DType::F16:
+      m.format = WeightFormat::F16;
+      break;
+    default:
+      fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " cannot be used as a dense weight");
   }
   if (t.shape.size() == 2) {
     m.rows = t.shape[0];

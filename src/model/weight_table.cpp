@@ -11,19 +11,32 @@ namespace k3 {
 
 std::string_view weight_kind_name(WeightKind k) {
   switch (k) {
-    case WeightKind::Embedding: return "embedding";
-    case WeightKind::LmHead: return "lm_head";
-    case WeightKind::Norm: return "norms";
-    case WeightKind::AttnRes: return "attn_res";
-    case WeightKind::KdaProj: return "kda_proj";
-    case WeightKind::KdaParam: return "kda_params";
-    case WeightKind::MlaProj: return "mla_proj";
-    case WeightKind::DsaIndexer: return "dsa_indexer";
-    case WeightKind::Router: return "router";
-    case WeightKind::LatentProj: return "latent_proj";
-    case WeightKind::SharedExpert: return "shared_experts";
-    case WeightKind::DenseFfn: return "dense_ffn";
-    case WeightKind::RoutedExpert: return "routed_experts";
+    case WeightKind::Embedding:
+      return "embedding";
+    case WeightKind::LmHead:
+      return "lm_head";
+    case WeightKind::Norm:
+      return "norms";
+    case WeightKind::AttnRes:
+      return "attn_res";
+    case WeightKind::KdaProj:
+      return "kda_proj";
+    case WeightKind::KdaParam:
+      return "kda_params";
+    case WeightKind::MlaProj:
+      return "mla_proj";
+    case WeightKind::DsaIndexer:
+      return "dsa_indexer";
+    case WeightKind::Router:
+      return "router";
+    case WeightKind::LatentProj:
+      return "latent_proj";
+    case WeightKind::SharedExpert:
+      return "shared_experts";
+    case WeightKind::DenseFfn:
+      return "dense_ffn";
+    case WeightKind::RoutedExpert:
+      return "routed_experts";
   }
   return "?";
 }
@@ -63,7 +76,8 @@ void add_attn_res(TableBuilder& t, const std::string& p, const std::string& stem
 
 void add_kda(TableBuilder& t, const ModelConfig& c, const std::string& a, int l) {
   const int64_t H = c.hidden_size, P = c.kda_proj_dim(), D = c.linear_attn_config.head_dim;
-  const int64_t heads = c.linear_attn_config.num_heads, K = c.linear_attn_config.short_conv_kernel_size;
+  const int64_t heads = c.linear_attn_config.num_heads,
+                K = c.linear_attn_config.short_conv_kernel_size;
   for (const char* x : {"q", "k", "v"}) {
     t.add(a + x + "_proj.weight", t.act(), {{P, H}}, WeightKind::KdaProj, l);
     t.add(a + x + "_conv1d.weight", t.f32_or_bf16(), {{P, 1, K}, {P, K}}, WeightKind::KdaParam, l);
@@ -110,7 +124,8 @@ void add_mla(TableBuilder& t, const ModelConfig& c, const std::string& a, int l)
     const std::string x = a + "indexer.";
     // An FP8 wq_b is accepted here so the deployment layer can refuse it with its reason.
     t.add(x + "wq_b.weight", {BF16, DType::F8_E4M3},
-          {{int64_t(d.index_n_heads) * d.index_head_dim, *c.q_lora_rank}}, WeightKind::DsaIndexer, l);
+          {{int64_t(d.index_n_heads) * d.index_head_dim, *c.q_lora_rank}}, WeightKind::DsaIndexer,
+          l);
     t.add(x + "wk.weight", t.act(), {{d.index_head_dim, H}}, WeightKind::DsaIndexer, l);
     t.add(x + "k_norm.weight", {BF16, F32}, {{d.index_head_dim}}, WeightKind::DsaIndexer, l);
     if (d.index_k_norm_type == "layernorm")
@@ -182,7 +197,8 @@ std::vector<WeightEntry> weight_table(const ModelConfig& c) {
   if (c.experts_mxfp4()) {
     K3_CHECK(c.expert_io_dim() % 32 == 0 && c.moe_intermediate_size % 32 == 0,
              "MXFP4 experts need routed_expert_hidden_size and moe_intermediate_size divisible by "
-             "32 (group size), got ", c.expert_io_dim(), " and ", c.moe_intermediate_size);
+             "32 (group size), got ",
+             c.expert_io_dim(), " and ", c.moe_intermediate_size);
   }
   t.add(pre + "embed_tokens.weight", t.act(), {{V, H}}, WeightKind::Embedding);
   for (int l = 0; l < c.num_hidden_layers; ++l) {

@@ -19,10 +19,10 @@ class Checkpoint;
 enum class WeightKind : uint8_t {
   Embedding,
   LmHead,
-  Norm,        // RMSNorm / LayerNorm weights and biases
-  AttnRes,     // AttnRes norm / proj vectors
-  KdaProj,     // KDA q/k/v/g/o and gate projections
-  KdaParam,    // conv weights, A_log, dt_bias
+  Norm,      // RMSNorm / LayerNorm weights and biases
+  AttnRes,   // AttnRes norm / proj vectors
+  KdaProj,   // KDA q/k/v/g/o and gate projections
+  KdaParam,  // conv weights, A_log, dt_bias
   MlaProj,
   DsaIndexer,
   Router,

@@ -52,9 +52,9 @@ ModelConfig k3_full() {
   c.quantization_config.present = true;
   c.quantization_config.quant_method = "compressed-tensors";
   c.quantization_config.format = "mxfp4-pack-quantized";
-  c.quantization_config.ignore = {"re:.*self_attn.*",     "re:.*shared_experts.*",
-                                  "re:.*mlp\\.(gate|up|gate_up|down)_proj.*", "re:.*lm_head.*",
-                                  "re:.*vision_tower.*", "re:.*mm_projector.*"};
+  c.quantization_config.ignore = {
+      "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+      "re:.*lm_head.*",   "re:.*vision_tower.*",   "re:.*mm_projector.*"};
   set_k3_layer_schedule(c, 93);
   return c;
 }
@@ -68,31 +68,35 @@ void add_dsa(ModelConfig& c, int heads, int head_dim, int topk) {
   c.dsa_config.index_k_norm_type = "layernorm";
 }
 
-// Same structure as K3 at a size the CPU decodes in milliseconds. Vocabulary: 256 byte tokens
-// plus specials (the byte-level fallback tokenizer).
-ModelConfig k3_tiny() {
-  ModelConfig c = k3_full();
+// The dimensions every tiny preset shares: the structure of the full model at a size the CPU
+// decodes in milliseconds. Vocabulary: 256 byte tokens plus specials (the byte-level fallback).
+void shrink_to_tiny(ModelConfig& c) {
   c.vocab_size = 320;
   c.hidden_size = 128;
   c.intermediate_size = 256;
   c.num_attention_heads = 4;
   c.num_key_value_heads = 4;
-  c.q_lora_rank = 64;
   c.kv_lora_rank = 32;
   c.qk_nope_head_dim = 16;
   c.qk_rope_head_dim = 8;
   c.v_head_dim = 16;
   c.linear_attn_config.num_heads = 4;
   c.linear_attn_config.head_dim = 32;
-  c.num_experts = 16;
-  c.num_experts_per_token = 4;
   c.moe_intermediate_size = 64;
-  c.routed_expert_hidden_size = 64;
-  c.attn_res_block_size = 3;  // bank fills within 9 layers, as K3's does within 93
   c.max_position_embeddings = 4096;
   c.bos_token_id = 256;
   c.eos_token_ids = {258};
   c.pad_token_id = 319;
+}
+
+ModelConfig k3_tiny() {
+  ModelConfig c = k3_full();
+  shrink_to_tiny(c);
+  c.q_lora_rank = 64;
+  c.num_experts = 16;
+  c.num_experts_per_token = 4;
+  c.routed_expert_hidden_size = 64;
+  c.attn_res_block_size = 3;  // bank fills within 9 layers, as K3's does within 93
   set_k3_layer_schedule(c, 9);
   return c;
 }
@@ -141,24 +145,9 @@ ModelConfig kimi_linear_48b() {
 
 ModelConfig kimi_linear_tiny() {
   ModelConfig c = kimi_linear_48b();
-  c.vocab_size = 320;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 4;
-  c.kv_lora_rank = 32;
-  c.qk_nope_head_dim = 16;
-  c.qk_rope_head_dim = 8;
-  c.v_head_dim = 16;
-  c.linear_attn_config.num_heads = 4;
-  c.linear_attn_config.head_dim = 32;
+  shrink_to_tiny(c);
   c.num_experts = 8;
   c.num_experts_per_token = 2;
-  c.moe_intermediate_size = 64;
-  c.max_position_embeddings = 4096;
-  c.bos_token_id = 256;
-  c.eos_token_ids = {258};
-  c.pad_token_id = 319;
   set_k3_layer_schedule(c, 6);
   return c;
 }

@@ -29,8 +29,9 @@ bool ends_with(const std::string& s, const char* suffix) {
 // synthetic weights, and bit-identical on every platform.
 inline float fast_normal(Rng& r) {
   const uint64_t u = r.next_u64();
-  const float s = static_cast<float>((u & 0xffff) + ((u >> 16) & 0xffff) + ((u >> 32) & 0xffff) +
-                                     (u >> 48)) * (1.0f / 65536.0f);
+  const float s =
+      static_cast<float>((u & 0xffff) + ((u >> 16) & 0xffff) + ((u >> 32) & 0xffff) + (u >> 48)) *
+      (1.0f / 65536.0f);
   return (s - 2.0f) * 1.7320508f;  // variance 4/12 -> 1
 }
 
@@ -94,9 +95,15 @@ void fill_dense(const std::string& name, DType t, const Shape& shape, const Init
       for (size_t i = blk * kBlock; i < end; ++i) {
         float v;
         switch (init.kind) {
-          case Init::Kind::Uniform: v = r.uniform(init.a, init.b); break;
-          case Init::Kind::OnePlusNormal: v = 1.0f + init.b * fast_normal(r); break;
-          default: v = init.a + init.b * fast_normal(r); break;
+          case Init::Kind::Uniform:
+            v = r.uniform(init.a, init.b);
+            break;
+          case Init::Kind::OnePlusNormal:
+            v = 1.0f + init.b * fast_normal(r);
+            break;
+          default:
+            v = init.a + init.b * fast_normal(r);
+            break;
         }
         store(t, v, out, i);
       }
@@ -157,8 +164,9 @@ void synthesize_checkpoint(const ModelConfig& cfg, const std::string& dir, const
     specs.push_back({e.names[0], e.dtypes[0], e.shapes[0]});
     total += specs.back().nbytes();
   }
-  const int threads =
-      o.threads > 0 ? o.threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int threads = o.threads > 0
+                          ? o.threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   std::filesystem::create_directories(dir);
   write_text(std::filesystem::path(dir) / "config.json", model_config_to_json(cfg).dump(2) + "\n");
 
@@ -176,8 +184,8 @@ void synthesize_checkpoint(const ModelConfig& cfg, const std::string& dir, const
           const int64_t cols = packed ? shape[1] * 2 : shape[1] * 32;
           fill_mxfp4(stem, packed, shape[0], cols, o.seed, out, threads);
         } else {
-          fill_dense(e.names[0], e.dtypes[0], shape, init, o.seed,
-                     cfg.linear_attn_config.num_heads, out, threads);
+          fill_dense(e.names[0], e.dtypes[0], shape, init, o.seed, cfg.linear_attn_config.num_heads,
+                     out, threads);
         }
         (void)nbytes;
       },

@@ -32,7 +32,8 @@ std::vector<int64_t> parse_token_ids(const std::string& csv) {
       ++i;
     if (i == csv.size()) break;
     size_t j = i;
-    while (j < csv.size() && csv[j] != ',' && !std::isspace(static_cast<unsigned char>(csv[j]))) ++j;
+    while (j < csv.size() && csv[j] != ',' && !std::isspace(static_cast<unsigned char>(csv[j])))
+      ++j;
     const std::string item = csv.substr(i, j - i);
     size_t used = 0;
     long long v = -1;
@@ -41,7 +42,8 @@ std::vector<int64_t> parse_token_ids(const std::string& csv) {
     } catch (const std::exception&) {
       used = 0;
     }
-    K3_CHECK(used == item.size() && v >= 0, "token id \"", item, "\" is not a non-negative integer");
+    K3_CHECK(used == item.size() && v >= 0, "token id \"", item,
+             "\" is not a non-negative integer");
     ids.push_back(v);
     i = j;
   }

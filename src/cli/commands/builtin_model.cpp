@@ -30,7 +30,8 @@ std::string builtin_tiny_model_dir() {
 
   std::fprintf(stderr, "k3: synthesizing the built-in tiny model into %s\n", dir.c_str());
   // Written to a private directory and renamed, so a concurrent first use never reads half.
-  const fs::path tmp = root / (std::string(kBuiltinTinyVersion) + ".tmp." + std::to_string(getpid()));
+  const fs::path tmp =
+      root / (std::string(kBuiltinTinyVersion) + ".tmp." + std::to_string(getpid()));
   fs::create_directories(tmp);
   SynthOptions so;
   so.seed = 1;

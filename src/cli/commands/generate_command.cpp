@@ -30,12 +30,14 @@ struct GenerateOpts {
 // and the CPU reference runs; asking for cuda explicitly is an error rather than a silent CPU run.
 std::string choose_device(const std::string& want) {
   const std::vector<std::string> gpus = probe_gpus();
-  K3_CHECK(want == "auto" || want == "cpu" || want == "cuda", "--device must be auto, cpu or cuda, got \"",
-           want, "\"");
+  K3_CHECK(want == "auto" || want == "cpu" || want == "cuda",
+           "--device must be auto, cpu or cuda, got \"", want, "\"");
   for (const auto& g : gpus) std::fprintf(stderr, "k3: found GPU %s\n", g.c_str());
-  K3_CHECK(want != "cuda", "--device cuda: this build has no CUDA decode backend yet; use --device cpu");
+  K3_CHECK(want != "cuda",
+           "--device cuda: this build has no CUDA decode backend yet; use --device cpu");
   if (want == "auto" && !gpus.empty())
-    std::fprintf(stderr, "k3: the CUDA decode backend is not in this build yet; running on the CPU\n");
+    std::fprintf(stderr,
+                 "k3: the CUDA decode backend is not in this build yet; running on the CPU\n");
   return "cpu";
 }
 
@@ -66,7 +68,8 @@ void run_generate(const GenerateOpts& o) {
 
   cpu::GenerateRequest req;
   req.prompt = o.prompt_ids.empty() ? byte_encode(o.prompt) : parse_token_ids(o.prompt_ids);
-  if (o.prompt_ids.empty() && cfg.bos_token_id >= 0) req.prompt.insert(req.prompt.begin(), cfg.bos_token_id);
+  if (o.prompt_ids.empty() && cfg.bos_token_id >= 0)
+    req.prompt.insert(req.prompt.begin(), cfg.bos_token_id);
   req.max_new_tokens = o.max_tokens;
   req.sampling = {o.temperature, o.top_k, o.top_p, o.seed};
   req.ignore_eos = o.ignore_eos;
@@ -88,8 +91,12 @@ void run_generate(const GenerateOpts& o) {
 
 }  // namespace
 
-void set_gpu_probe(GpuProbe probe) { g_probe = probe; }
-std::vector<std::string> probe_gpus() { return g_probe ? g_probe() : std::vector<std::string>{}; }
+void set_gpu_probe(GpuProbe probe) {
+  g_probe = probe;
+}
+std::vector<std::string> probe_gpus() {
+  return g_probe ? g_probe() : std::vector<std::string>{};
+}
 
 void register_generate(CLI::App& app) {
   auto o = std::make_shared<GenerateOpts>();
@@ -105,7 +112,8 @@ void register_generate(CLI::App& app) {
   sub->add_option("--device", o->device, "auto | cpu | cuda")->capture_default_str();
   sub->add_option("--decode-backend", o->decode_backend, "auto | latency_specialized")
       ->capture_default_str();
-  sub->add_option("--kv-cache-dtype", o->kv_cache_dtype, "auto | bfloat16 | fp8 | fp8_ds_mla | nvfp4_ds_mla")
+  sub->add_option("--kv-cache-dtype", o->kv_cache_dtype,
+                  "auto | bfloat16 | fp8 | fp8_ds_mla | nvfp4_ds_mla")
       ->capture_default_str();
   sub->add_option("--mamba-cache-dtype", o->mamba_cache_dtype, "KDA conv state dtype")
       ->capture_default_str();
