@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-packages=(g++ cmake ninja-build nlohmann-json3-dev libcli11-dev libgtest-dev)
+packages=(g++ cmake ninja-build pkg-config nlohmann-json3-dev libcli11-dev libgtest-dev libicu-dev
+  libcpp-httplib-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
