@@ -82,6 +82,27 @@ TEST(Backbone, TinyGreedyDecodeIsDeterministicAndNonDegenerate) {
   EXPECT_GT(test::max_abs_diff(logits.front(), logits.back()), 0.1);
 }
 
+// The synthetic weights are scaled so activations stay in a realistic range: every sublayer
+// output has an RMS of order one, neither vanishing nor blowing up over the layers.
+TEST(Backbone, SyntheticActivationsStayInARealisticRange) {
+  for (const char* preset : {"tiny", "tiny-k3.1", "tiny-kimi-linear"}) {
+    const LoadedModel& m = tiny_model(preset);
+    const cpu::CpuBackbone b(m.config, m.weights, {DType::BF16, DType::F32});
+    cpu::DecodeState st = b.new_state();
+    std::vector<float> logits(static_cast<size_t>(m.config.vocab_size));
+    const size_t H = static_cast<size_t>(m.config.hidden_size);
+    for (int64_t tok : prompt_of(m.config, 51, 8)) {
+      b.step(st, tok, logits.data(), [&](int layer, const char* part, const float* out) {
+        double ss = 0;
+        for (size_t i = 0; i < H; ++i) ss += double(out[i]) * out[i];
+        const double rms = std::sqrt(ss / H);
+        EXPECT_GT(rms, 0.05) << preset << " layer " << layer << " " << part;
+        EXPECT_LT(rms, 10.0) << preset << " layer " << layer << " " << part;
+      });
+    }
+  }
+}
+
 TEST(Backbone, SeededSamplingIsReproducible) {
   const LoadedModel& m = tiny_model("tiny");
   const cpu::CpuBackbone b(m.config, m.weights, {DType::BF16, DType::F32});
