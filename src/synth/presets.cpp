@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "synth/tokenizer_synth.h"
 
 namespace k3 {
 namespace {
@@ -92,6 +93,12 @@ void shrink_to_tiny(ModelConfig& c) {
 ModelConfig k3_tiny() {
   ModelConfig c = k3_full();
   shrink_to_tiny(c);
+  // The synthetic BPE tokenizer's layout instead of the byte-level one: 768 ranks, then the
+  // specials where K3 has them (bos [BOS], eos <|end_of_msg|>, pad [PAD]).
+  c.vocab_size = kTinyVocabSize;
+  c.bos_token_id = kTinyBpeRanks;
+  c.eos_token_ids = {kTinyBpeRanks + 2};
+  c.pad_token_id = kTinyVocabSize - 1;
   c.q_lora_rank = 64;
   c.num_experts = 16;
   c.num_experts_per_token = 4;

@@ -16,6 +16,7 @@
 #include "io/safetensors.h"
 #include "model/weight_matrix.h"
 #include "model/weight_table.h"
+#include "synth/tokenizer_synth.h"
 
 namespace k3 {
 namespace {
@@ -169,6 +170,9 @@ void synthesize_checkpoint(const ModelConfig& cfg, const std::string& dir, const
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   std::filesystem::create_directories(dir);
   write_text(std::filesystem::path(dir) / "config.json", model_config_to_json(cfg).dump(2) + "\n");
+  // Tiny K3 layouts get a real (small) BPE tokenizer; other vocabularies none, so their
+  // checkpoints fall back to byte-level tokens.
+  if (uses_synthetic_tokenizer(cfg)) write_synthetic_tokenizer(dir);
 
   ProgressBar bar("synth " + dir, total, o.progress);
   write_sharded_checkpoint(

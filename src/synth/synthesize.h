@@ -17,7 +17,9 @@ struct SynthOptions {
   int threads = 0;                        // 0: hardware concurrency
 };
 
-// Writes the checkpoint for `cfg` into dir (created if needed). Deterministic in seed.
+// Writes the checkpoint for `cfg` into dir (created if needed). Deterministic in seed. Configs
+// with the tiny tokenizer layout (uses_synthetic_tokenizer) also get tiktoken.model and
+// tokenizer_config.json.
 void synthesize_checkpoint(const ModelConfig& cfg, const std::string& dir, const SynthOptions& o);
 
 // Bytes the checkpoint of cfg will occupy (tensor data only).

@@ -12,7 +12,7 @@
 namespace k3::cli {
 
 // Bump when the tiny preset or the synth value recipe changes, so stale caches are not reused.
-constexpr const char* kBuiltinTinyVersion = "tiny-v2";
+constexpr const char* kBuiltinTinyVersion = "tiny-v3";
 
 std::string builtin_tiny_model_dir() {
   namespace fs = std::filesystem;

@@ -8,6 +8,7 @@
 #include "model/loaded_model.h"
 #include "runtime/deploy_config.h"
 #include "text/byte_tokenizer.h"
+#include "text/tokenizer.h"
 
 namespace k3::cli {
 namespace {
@@ -66,23 +67,33 @@ void run_generate(const GenerateOpts& o) {
   const cpu::CpuBackbone backbone(cfg, model->weights, {kd.conv, kd.recurrent}, num,
                                   dc.max_model_len);
 
+  // The model's tokenizer (the byte-level fallback when it ships none). Its ids must cover
+  // everything the model can sample.
+  const auto tok = Tokenizer::load(dir);
+  K3_CHECK(tok->byte_fallback() || tok->vocab_size() >= cfg.vocab_size, "the tokenizer in ", dir,
+           " has ", tok->vocab_size(), " ids but the model's vocab_size is ", cfg.vocab_size);
   cpu::GenerateRequest req;
-  req.prompt = o.prompt_ids.empty() ? byte_encode(o.prompt) : parse_token_ids(o.prompt_ids);
+  // Special-token strings in --prompt are special tokens, as in tokenization_kimi.py's encode.
+  req.prompt = o.prompt_ids.empty() ? tok->encode(o.prompt, /*allow_special=*/true)
+                                    : parse_token_ids(o.prompt_ids);
   if (o.prompt_ids.empty() && cfg.bos_token_id >= 0)
     req.prompt.insert(req.prompt.begin(), cfg.bos_token_id);
   req.max_new_tokens = o.max_tokens;
   req.sampling = {o.temperature, o.top_k, o.top_p, o.seed};
   req.ignore_eos = o.ignore_eos;
 
-  std::fprintf(stderr, "k3: model %s (%d layers), device %s, prompt %zu tokens\n", dir.c_str(),
-               cfg.num_hidden_layers, device.c_str(), req.prompt.size());
-  const cpu::GenerateResult res = cpu::generate(backbone, req, [&](int64_t tok) {
+  std::fprintf(stderr, "k3: model %s (%d layers), device %s, tokenizer %s, prompt %zu tokens\n",
+               dir.c_str(), cfg.num_hidden_layers, device.c_str(),
+               tok->byte_fallback() ? "byte-level" : "tiktoken BPE", req.prompt.size());
+  StreamDecoder text(*tok);  // holds bytes of a character split across tokens
+  const cpu::GenerateResult res = cpu::generate(backbone, req, [&](int64_t id) {
     if (o.show_ids)
-      std::printf("%lld ", static_cast<long long>(tok));
+      std::printf("%lld ", static_cast<long long>(id));
     else
-      std::fputs(byte_decode({tok}).c_str(), stdout);
+      std::fputs(text.push(id).c_str(), stdout);
     std::fflush(stdout);
   });
+  if (!o.show_ids) std::fputs(text.flush().c_str(), stdout);
   std::printf("\n");
   const double tps = res.decode_seconds > 0 ? res.tokens.size() / res.decode_seconds : 0.0;
   std::fprintf(stderr, "k3: %zu tokens (%s), prefill %.1f ms, decode %.1f tok/s\n",
@@ -102,7 +113,8 @@ void register_generate(CLI::App& app) {
   auto o = std::make_shared<GenerateOpts>();
   CLI::App* sub = app.add_subcommand("generate", "generate text (built-in tiny model by default)");
   sub->add_option("--model", o->model, "checkpoint directory (default: the built-in tiny model)");
-  sub->add_option("--prompt", o->prompt, "prompt text (byte-level tokens)")->capture_default_str();
+  sub->add_option("--prompt", o->prompt, "prompt text (special-token strings allowed)")
+      ->capture_default_str();
   sub->add_option("--prompt-ids", o->prompt_ids, "prompt as comma-separated token ids");
   sub->add_option("--max-tokens", o->max_tokens, "tokens to generate")->capture_default_str();
   sub->add_option("--temperature", o->temperature, "0: greedy")->capture_default_str();
