@@ -12,6 +12,7 @@ namespace k3::cli {
 void register_generate(CLI::App& app);
 void register_synth(CLI::App& app);
 void register_inspect(CLI::App& app);
+void register_serve(CLI::App& app);
 
 // Directory of the built-in tiny model, synthesized on first use ($K3_CACHE_DIR, else
 // $XDG_CACHE_HOME/k3, else ~/.cache/k3).

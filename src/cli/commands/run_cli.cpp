@@ -11,6 +11,7 @@ int run_cli(int argc, char** argv) {
   register_generate(app);
   register_synth(app);
   register_inspect(app);
+  register_serve(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,56 @@
+// What the serving engine needs from an executor: per-request decode states and one batched
+// forward step. The CPU reference implements it today; the CUDA executor plugs in behind the
+// same interface (one launch for the whole batch instead of a loop).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+namespace k3 {
+struct DeployConfig;
+struct LoadedModel;
+struct ModelConfig;
+}  // namespace k3
+
+namespace k3::serve {
+
+// One request's decode state (KV / latent caches, KDA recurrent state) in a backend's format.
+class SlotState {
+ public:
+  virtual ~SlotState() = default;
+  // Back to an empty context, keeping allocations: a slot is reused by the next request.
+  virtual void reset() = 0;
+  virtual int64_t position() const = 0;  // tokens consumed so far
+};
+
+// One row of a step: feed `tokens` in order into `state`; when `logits` is set, write the
+// logits after the last token there ([vocab] fp32). Prefill rows carry a chunk of the prompt,
+// decode rows the one token sampled last step.
+struct StepRow {
+  SlotState* state = nullptr;
+  std::span<const int64_t> tokens;
+  float* logits = nullptr;
+};
+
+class StepBackend {
+ public:
+  virtual ~StepBackend() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t max_context() const = 0;  // tokens per request the states hold
+  virtual std::unique_ptr<SlotState> new_state() const = 0;
+  // Runs every row. An exception means the states of all rows in this call are undefined.
+  virtual void forward(std::span<const StepRow> rows) = 0;
+};
+
+// The CPU reference backbone; owns the model (the backbone holds references into it). State
+// dtypes and the context limit come from the deployment, validated by the caller (as in
+// `k3 generate`). fp32: pure fp32 activations instead of bf16 rounding at boundaries.
+// threads: rows of a step run in parallel on this many threads (0: one per core).
+std::unique_ptr<StepBackend> make_cpu_backend(std::unique_ptr<LoadedModel> model,
+                                              const DeployConfig& deploy, bool fp32 = false,
+                                              int threads = 0);
+
+}  // namespace k3::serve
