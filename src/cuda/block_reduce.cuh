@@ -1,0 +1,27 @@
+// Deterministic CTA-wide sum: warp butterflies, then warp 0 adds the per-warp partials in warp
+// order. Every thread gets the same bits on every run.
+#pragma once
+
+#include "cuda/device_util.cuh"
+
+namespace k3::cuda::detail {
+
+// scratch: >= 33 floats of shared memory. Must be called by every thread of the CTA.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < nwarps ? scratch[lane] : 0.0f;
+    t = warp_sum(t);
+    if (lane == 0) scratch[32] = t;
+  }
+  __syncthreads();
+  const float r = scratch[32];
+  __syncthreads();  // scratch may be reused right after
+  return r;
+}
+
+}  // namespace k3::cuda::detail

@@ -1,0 +1,139 @@
+// bf16 weights for the skinny GEMM (skinny_gemm.cuh). A chunk is 64 k of 16*MT rows: per
+// thread, rows g and g+8 of each 16-row tile, two 16-byte pieces each (k 8c..8c+7 and
+// 32+8c..32+8c+7): 4*MT cp.async per chunk, a warp covering 128 contiguous bytes of each row.
+// Words 2s and 2s+1 of a piece are mma k-step s's a0/a2 (row g) or a1/a3 (row g+8); x is read
+// with the same layout, so the k order inside a step is permuted identically on both sides.
+#include "cuda/linear_bf16.h"
+
+#include "core/error.h"
+#include "cuda/device_util.cuh"
+#include "cuda/linear_launch.cuh"
+
+namespace k3::cuda {
+namespace detail {
+namespace {
+
+struct Bf16Format {
+  static constexpr int kChunk = 64;
+  static constexpr bool kXPermute = false;
+  static constexpr __host__ __device__ int stage_bytes(int mt) { return 2048 * mt; }
+  static constexpr __host__ __device__ int max_threads(int nt, int mt) {
+    return nt * mt >= 8 ? 256 : 512;
+  }
+
+  struct Dec {
+    __device__ static float at(const void* W, const uint8_t*, int n, int k, int K) {
+      return __bfloat162float(
+          static_cast<const __nv_bfloat16*>(W)[static_cast<int64_t>(n) * K + k]);
+    }
+  };
+
+  // slot: this warp's ring slot, [4*MT pieces][32 lanes] x 16 B; piece q = (i*2 + h)*2 + j.
+  template <int MT>
+  __device__ static void load_chunk(uint8_t* slot, const void* W, const uint8_t*, int N, int K,
+                                    int row0, int chunk, int lane) {
+    const __nv_bfloat16* w = static_cast<const __nv_bfloat16*>(W);  // [N, K]
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + i * 16 + h * 8 + g;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int k = chunk * kChunk + j * 32 + c * 8;
+          const bool valid = row < N && k < K;
+          const __nv_bfloat16* src = valid ? w + static_cast<int64_t>(row) * K + k : w;
+          cp_async16(slot + (((i * 2 + h) * 2 + j) * 32 + lane) * 16, src, valid);
+        }
+      }
+  }
+
+  // acc[i][t]: rows 16i.. of this warp x tokens 8t..; xs: [mx][pitch] staged x, kloc: the
+  // chunk's first k relative to the staged slice.
+  template <int NT, int MT>
+  __device__ static void compute_chunk(float (&acc)[MT][NT][4], const uint8_t* slot,
+                                       const uint8_t* xs, int pitch, int kloc, int lane, int mx) {
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint4 wv[MT][2];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          wv[i][h] = lds128(slot + (((i * 2 + h) * 2 + j) * 32 + lane) * 16);
+#pragma unroll
+      for (int t = 0; t < NT; ++t) {
+        if (t * 8 >= mx) break;  // uniform: no token in this column tile
+        const int n = t * 8 + g;
+        const uint4 b =
+            n < mx ? lds128(xs + n * pitch + (kloc + j * 32 + c * 8) * 2) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int i = 0; i < MT; ++i)
+            mma_bf16_16816(acc[i][t], word(wv[i][0], 2 * s), word(wv[i][1], 2 * s),
+                           word(wv[i][0], 2 * s + 1), word(wv[i][1], 2 * s + 1), word(b, 2 * s),
+                           word(b, 2 * s + 1));
+      }
+    }
+  }
+};
+
+}  // namespace
+}  // namespace detail
+
+using detail::Bf16Format;
+
+LinearPlan plan_linear_bf16(int m, int64_t n, int64_t k) {
+  return detail::best_plan<Bf16Format>(LinearWeight::BF16, m, n, k, 1);
+}
+
+std::vector<LinearPlan> linear_bf16_candidates(int m, int64_t n, int64_t k) {
+  return linear_candidates(LinearWeight::BF16, m, n, k, 1, device_limits(),
+                           detail::skinny_regs<Bf16Format>);
+}
+
+void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w,
+                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(p.weight == LinearWeight::BF16, "linear_bf16: plan is for another weight format");
+  K3_CHECK(M >= 1 && M <= 64 && M <= p.m, "linear_bf16: M = ", M, " for a plan of ", p.m);
+  K3_CHECK(p.n >= 1 && p.k >= 1 && p.n <= 0x7fffffff && p.k <= 0x7fffffff, "linear_bf16: shape ",
+           p.n, "x", p.k);
+  K3_CHECK(x && w && y, "linear_bf16: null pointer");
+  K3_CHECK(ldx >= p.k && ldy >= p.n, "linear_bf16: ldx ", ldx, " / ldy ", ldy, " below K ", p.k,
+           " / N ", p.n);
+  const bool tiled_ok =
+      p.k % 8 == 0 && ldx % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
+  K3_CHECK(p.fallback || tiled_ok,
+           "linear_bf16: a tiled plan needs K % 8 == 0, ldx % 8 == 0 and "
+           "16-byte aligned x and w");
+  detail::SkinnyArgs a;
+  a.w = w;
+  a.x = x;
+  a.ldx = ldx;
+  a.y = y;
+  a.ldy = ldy;
+  a.y_fp32 = y_fp32 ? 1 : 0;
+  a.m = static_cast<int>(M);
+  a.n = static_cast<int>(p.n);
+  a.k = static_cast<int>(p.k);
+  detail::launch_skinny<Bf16Format>(p, a, stream);
+}
+
+void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
+                 int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(M >= 0 && N >= 1 && K >= 1, "linear_bf16: shape ", M, "x", N, "x", K);
+  const bool tiled_ok = K % 8 == 0 && ldx % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
+  const size_t ysize = y_fp32 ? 4 : 2;
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {
+    const int m = static_cast<int>(std::min<int64_t>(64, M - m0));
+    LinearPlan p = plan_linear_bf16(m, N, K);
+    if (!tiled_ok) p.fallback = true;
+    linear_bf16(p, x + m0 * ldx, ldx, w, m, static_cast<uint8_t*>(y) + m0 * ldy * ysize, ldy,
+                y_fp32, stream);
+  }
+}
+
+}  // namespace k3::cuda

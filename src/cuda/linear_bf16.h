@@ -1,0 +1,36 @@
+// The skinny decode GEMM with a bf16 weight: y[M, N] = x[M, K] . W[N, K]^T, bf16 x, fp32
+// accumulation, bf16 or fp32 y. Memory-bound on W for M <= 64 (bytes N*K*2 + M*K*2 + M*N*{2,4});
+// tiling and plans in linear_plan.h. Deterministic: the same inputs give the same bits.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/linear_plan.h"
+
+namespace k3::cuda {
+
+// x: [M, K] bf16, row stride ldx elements (device)
+// w: [N, K] bf16, row-major as in the checkpoint (device)
+// y: [M, N] bf16 (y_fp32 false) or fp32 (true), row stride ldy elements (device); must not
+//    overlap x or w
+// Any M >= 1 (blocks of 64 rows per launch), any N and K. The tiled kernel needs K % 8 == 0,
+// ldx % 8 == 0 and 16-byte aligned x and w; anything else takes a slow generic kernel.
+// No allocation, no host sync: capturable in a CUDA graph once a first call (or
+// plan_linear_bf16) has set the kernel attributes up.
+void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
+                 int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream);
+
+// The plan linear_bf16 uses for one launch of m <= 64 rows (cached).
+LinearPlan plan_linear_bf16(int m, int64_t n, int64_t k);
+// Every tiled plan, best model estimate first (bench and tests).
+std::vector<LinearPlan> linear_bf16_candidates(int m, int64_t n, int64_t k);
+// One launch under an explicit plan (p.m >= M, p.n == N, p.k == K; M <= 64); p.fallback
+// forces the generic kernel.
+void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w,
+                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream);
+
+}  // namespace k3::cuda

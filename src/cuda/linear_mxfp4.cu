@@ -1,0 +1,266 @@
+// MXFP4 weights for the skinny GEMM (skinny_gemm.cuh). A chunk is 256 k of 16*MT rows: per
+// thread, rows g and g+8 of each 16-row tile, two 16-byte packed pieces each (k 32c..32c+31 and
+// 128+32c..), i.e. exactly one E8M0 block per piece, plus the row's 8 scale bytes (8-byte
+// cp.async). A warp covers 128 contiguous packed bytes of each row per chunk.
+//
+// Dequantization (2 LOP + 1 shift + 1 bf16x2 multiply per pair of values): with t = q << 12-4i,
+//   (t & 0x80008000) | ((t >> 6) & 0x01C001C0)
+// puts nibbles i and i+4 of the 32-bit word q into the two bf16 halves as sign | e2m1 bits << 6,
+// which is exactly value * 2^-126 (the e2m1 subnormal 0.5 lands on the bf16 subnormal 2^-127).
+// One multiply by 2^(s-1) = 2^126 * 2^(s-127) then gives the exact bf16 value; scales above
+// 2^1 (s > 128, rare) need two multiplies, taken when any lane of the warp has one. The pairs
+// come out as k order [0,4,1,5,2,6,3,7] per 8 values; x is staged in that order.
+#include "cuda/linear_mxfp4.h"
+
+#include "core/error.h"
+#include "cuda/device_util.cuh"
+#include "cuda/linear_launch.cuh"
+
+namespace k3::cuda {
+namespace detail {
+namespace {
+
+__device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t t) {
+  return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
+}
+// bf16x2 multiply (the intrinsic vLLM's Marlin uses on the same subnormal-encoded pairs).
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
+  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
+struct Mxfp4Format {
+  static constexpr int kChunk = 256;
+  static constexpr bool kXPermute = true;
+  // 4*MT packed pieces x 32 lanes x 16 B, then 2*MT rows x 32 lanes x 8 scale bytes.
+  static constexpr __host__ __device__ int stage_bytes(int mt) { return 2560 * mt; }
+  static constexpr __host__ __device__ int max_threads(int nt, int mt) {
+    return nt * mt >= 8 ? 256 : 512;
+  }
+
+  struct Dec {
+    __device__ static float at(const void* W, const uint8_t* Ws, int n, int k, int K) {
+      const uint8_t byte =
+          static_cast<const uint8_t*>(W)[static_cast<int64_t>(n) * (K / 2) + k / 2];
+      const uint32_t nib = (k & 1) ? (byte >> 4) : (byte & 15u);
+      // e2m1 bits << 22 in fp32 are the value * 2^-126 (as in the bf16 trick above).
+      const float mag = __uint_as_float((nib & 7u) << 22) * 0x1p126f;
+      const float v = (nib & 8u) ? -mag : mag;
+      const uint32_t s = Ws[static_cast<int64_t>(n) * (K / 32) + k / 32];
+      const float scale = s == 255u ? __uint_as_float(0x7fc00000u)
+                          : s == 0u ? __uint_as_float(0x00400000u)
+                                    : __uint_as_float(s << 23);
+      return v * scale;
+    }
+  };
+
+  template <int MT>
+  __device__ static void load_chunk(uint8_t* slot, const void* W, const uint8_t* Ws, int N, int K,
+                                    int row0, int chunk, int lane) {
+    const uint8_t* p = static_cast<const uint8_t*>(W);  // [N, K/2]
+    const int g = lane >> 2, c = lane & 3;
+    const int64_t row_bytes = K / 2, scale_bytes = K / 32;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = row0 + i * 16 + h * 8 + g;
+        const bool valid = row < N;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint8_t* src = valid ? p + row * row_bytes + chunk * 128 + j * 64 + c * 16 : p;
+          cp_async16(slot + (((i * 2 + h) * 2 + j) * 32 + lane) * 16, src, valid);
+        }
+        const uint8_t* ssrc = valid ? Ws + row * scale_bytes + chunk * 8 : Ws;
+        cp_async8(slot + 2048 * MT + ((i * 2 + h) * 32 + lane) * 8, ssrc, valid);
+      }
+  }
+
+  template <int NT, int MT, bool kTwo>
+  __device__ static void compute(float (&acc)[MT][NT][4], const uint8_t* slot,
+                                 const uint2 (&sc)[MT][2], const uint8_t* xs, int pitch, int kloc,
+                                 int lane, int mx) {
+    const int g = lane >> 2, c = lane & 3;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint4 wv[MT][2];
+      uint32_t f1[MT][2], f2[MT][2];
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          wv[i][h] = lds128(slot + (((i * 2 + h) * 2 + j) * 32 + lane) * 16);
+          const uint32_t s = ((j ? sc[i][h].y : sc[i][h].x) >> (8 * c)) & 0xffu;
+          if (!kTwo) {
+            f1[i][h] = ((s + 126u) << 7) * 0x10001u;  // 2^(s-1), s <= 128
+            f2[i][h] = 0;
+          } else {
+            f1[i][h] = 0x7E807E80u;  // 2^126
+            f2[i][h] = s == 255u ? 0x7FC07FC0u : s == 0u ? 0x00400040u : (s << 7) * 0x10001u;
+          }
+        }
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        uint32_t pr[MT][2][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint32_t q = word(wv[i][h], w);
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+              uint32_t v = mul_bf16x2(e2m1x2_raw(q << (12 - 4 * p)), f1[i][h]);
+              if (kTwo) v = mul_bf16x2(v, f2[i][h]);
+              pr[i][h][p] = v;
+            }
+          }
+        const int unit = x_unit<true>((kloc + j * 128 + c * 32 + w * 8) >> 3);
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          if (t * 8 >= mx) break;  // uniform: no token in this column tile
+          const int n = t * 8 + g;
+          const uint4 b = n < mx ? lds128(xs + n * pitch + unit * 16) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int s = 0; s < 2; ++s)
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+              mma_bf16_16816(acc[i][t], pr[i][0][2 * s], pr[i][1][2 * s], pr[i][0][2 * s + 1],
+                             pr[i][1][2 * s + 1], word(b, 2 * s), word(b, 2 * s + 1));
+        }
+      }
+    }
+  }
+
+  template <int NT, int MT>
+  __device__ static void compute_chunk(float (&acc)[MT][NT][4], const uint8_t* slot,
+                                       const uint8_t* xs, int pitch, int kloc, int lane, int mx) {
+    const int c = lane & 3;
+    uint2 sc[MT][2];
+    bool big = false;
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sc[i][h] = lds64(slot + 2048 * MT + ((i * 2 + h) * 32 + lane) * 8);
+        big |= ((sc[i][h].x >> (8 * c)) & 0xffu) > 128u || ((sc[i][h].y >> (8 * c)) & 0xffu) > 128u;
+      }
+    if (__any_sync(0xffffffffu, big))
+      compute<NT, MT, true>(acc, slot, sc, xs, pitch, kloc, lane, mx);
+    else
+      compute<NT, MT, false>(acc, slot, sc, xs, pitch, kloc, lane, mx);
+  }
+};
+
+}  // namespace
+}  // namespace detail
+
+using detail::Mxfp4Format;
+
+LinearPlan plan_linear_mxfp4(int m, int64_t n, int64_t k, int groups) {
+  return detail::best_plan<Mxfp4Format>(LinearWeight::MXFP4, m, n, k, groups);
+}
+
+std::vector<LinearPlan> linear_mxfp4_candidates(int m, int64_t n, int64_t k, int groups) {
+  return linear_candidates(LinearWeight::MXFP4, m, n, k, groups, device_limits(),
+                           detail::skinny_regs<Mxfp4Format>);
+}
+
+namespace {
+
+void check_shape(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, void* y, int64_t ldy) {
+  K3_CHECK(p.weight == LinearWeight::MXFP4, "linear_mxfp4: plan is for another weight format");
+  K3_CHECK(p.n >= 1 && p.k >= 32 && p.k % 32 == 0 && p.n <= 0x7fffffff && p.k <= 0x7fffffff,
+           "linear_mxfp4: shape ", p.n, "x", p.k, " (K must be a multiple of 32)");
+  K3_CHECK(x && y, "linear_mxfp4: null x or y");
+  K3_CHECK(ldx >= p.k && ldy >= p.n, "linear_mxfp4: ldx ", ldx, " / ldy ", ldy, " below K ", p.k,
+           " / N ", p.n);
+  K3_CHECK(p.fallback || (p.k % 256 == 0 && ldx % 8 == 0 && detail::aligned16(x)),
+           "linear_mxfp4: a tiled plan needs K % 256 == 0, ldx % 8 == 0 and a 16-byte aligned x");
+}
+
+detail::SkinnyArgs base_args(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, void* y,
+                             int64_t ldy, bool y_fp32, int m) {
+  detail::SkinnyArgs a;
+  a.x = x;
+  a.ldx = ldx;
+  a.y = y;
+  a.ldy = ldy;
+  a.y_fp32 = y_fp32 ? 1 : 0;
+  a.m = m;
+  a.n = static_cast<int>(p.n);
+  a.k = static_cast<int>(p.k);
+  return a;
+}
+
+}  // namespace
+
+void linear_mxfp4(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
+                  const uint8_t* w_scales, int64_t M, void* y, int64_t ldy, bool y_fp32,
+                  cudaStream_t stream) {
+  check_shape(p, x, ldx, y, ldy);
+  K3_CHECK(p.groups == 1, "linear_mxfp4: a grouped plan for a dense launch");
+  K3_CHECK(M >= 1 && M <= 64 && M <= p.m, "linear_mxfp4: M = ", M, " for a plan of ", p.m);
+  K3_CHECK(w_packed && w_scales, "linear_mxfp4: null weight");
+  K3_CHECK(p.fallback ||
+               (detail::aligned16(w_packed) && (reinterpret_cast<uintptr_t>(w_scales) & 7u) == 0),
+           "linear_mxfp4: a tiled plan needs 16-byte aligned packed and 8-byte aligned scales");
+  detail::SkinnyArgs a = base_args(p, x, ldx, y, ldy, y_fp32, static_cast<int>(M));
+  a.w = w_packed;
+  a.ws = w_scales;
+  detail::launch_skinny<Mxfp4Format>(p, a, stream);
+}
+
+void linear_mxfp4(const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
+                  const uint8_t* w_scales, int64_t M, int64_t N, int64_t K, void* y, int64_t ldy,
+                  bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(M >= 0 && N >= 1 && K >= 32 && K % 32 == 0, "linear_mxfp4: shape ", M, "x", N, "x", K);
+  const bool tiled_ok = K % 256 == 0 && ldx % 8 == 0 && detail::aligned16(x) &&
+                        detail::aligned16(w_packed) &&
+                        (reinterpret_cast<uintptr_t>(w_scales) & 7u) == 0;
+  const size_t ysize = y_fp32 ? 4 : 2;
+  for (int64_t m0 = 0; m0 < M; m0 += 64) {
+    const int m = static_cast<int>(std::min<int64_t>(64, M - m0));
+    LinearPlan p = plan_linear_mxfp4(m, N, K, 1);
+    if (!tiled_ok) p.fallback = true;
+    linear_mxfp4(p, x + m0 * ldx, ldx, w_packed, w_scales, m,
+                 static_cast<uint8_t*>(y) + m0 * ldy * ysize, ldy, y_fp32, stream);
+  }
+}
+
+void linear_mxfp4_grouped(const LinearPlan& p, const Mxfp4Grouped& g, const __nv_bfloat16* x,
+                          int64_t ldx, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  check_shape(p, x, ldx, y, ldy);
+  K3_CHECK(g.n_slots >= 1 && g.n_slots == p.groups, "linear_mxfp4_grouped: ", g.n_slots,
+           " slots for a plan of ", p.groups);
+  K3_CHECK(g.max_rows_per_slot >= 1 && g.max_rows_per_slot <= p.m,
+           "linear_mxfp4_grouped: max_rows_per_slot ", g.max_rows_per_slot, " for a plan of ", p.m);
+  K3_CHECK(g.packed && g.scales && g.slot_expert && g.slot_offsets,
+           "linear_mxfp4_grouped: null device table");
+  detail::SkinnyArgs a = base_args(p, x, ldx, y, ldy, y_fp32, g.max_rows_per_slot);
+  a.w_table = reinterpret_cast<const void* const*>(g.packed);
+  a.ws_table = g.scales;
+  a.slot_expert = g.slot_expert;
+  a.slot_offsets = g.slot_offsets;
+  a.row_index = g.row_index;
+  detail::launch_skinny<Mxfp4Format>(p, a, stream);
+}
+
+void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t ldx, int64_t N,
+                          int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(N >= 1 && K >= 32 && K % 32 == 0, "linear_mxfp4_grouped: shape ", N, "x", K);
+  K3_CHECK(g.n_slots >= 1 && g.max_rows_per_slot >= 1, "linear_mxfp4_grouped: ", g.n_slots,
+           " slots, ", g.max_rows_per_slot, " rows per slot");
+  const bool tiled_ok =
+      g.max_rows_per_slot <= 64 && K % 256 == 0 && ldx % 8 == 0 && detail::aligned16(x);
+  LinearPlan p;
+  if (tiled_ok) {
+    p = plan_linear_mxfp4(g.max_rows_per_slot, N, K, g.n_slots);
+  } else {
+    p.weight = LinearWeight::MXFP4, p.m = g.max_rows_per_slot, p.n = N, p.k = K;
+    p.groups = g.n_slots, p.fallback = true;
+  }
+  linear_mxfp4_grouped(p, g, x, ldx, y, ldy, y_fp32, stream);
+}
+
+}  // namespace k3::cuda

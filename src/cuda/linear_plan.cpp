@@ -1,0 +1,200 @@
+// Skinny-GEMM plans: shared-memory layout, and a small bandwidth model that ranks the tilings.
+// The model is a lead, not a measurement: bench/bench_linear.cu times the top candidates.
+#include "cuda/linear_plan.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <mutex>
+#include <sstream>
+
+#include "core/error.h"
+#include "cuda/check.h"
+
+namespace k3::cuda {
+
+DeviceLimits device_limits() {
+  static std::mutex mu;
+  static std::array<DeviceLimits, 64> cache{};
+  static std::array<bool, 64> have{};
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev >= 0 && dev < 64 && have[dev]) return cache[dev];
+  DeviceLimits d;
+  int v = 0;
+  K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+  d.sms = v;
+  K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  d.smem_per_block_optin = static_cast<size_t>(v);
+  K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  d.smem_per_sm = static_cast<size_t>(v);
+  K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  d.regs_per_sm = v;
+  K3_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  d.max_threads_per_sm = v;
+  if (dev >= 0 && dev < 64) {
+    cache[dev] = d;
+    have[dev] = true;
+  }
+  return d;
+}
+
+std::string LinearPlan::str() const {
+  std::ostringstream os;
+  if (fallback) {
+    os << "fallback";
+    return os.str();
+  }
+  os << "nt" << nt << " mt" << mt << " wn" << wn << " wk" << wk << " ck" << ck << " s" << stages
+     << " grid" << grid_x() * groups << "x" << threads() << " smem" << (smem_bytes + 1023) / 1024
+     << "K";
+  return os.str();
+}
+
+int linear_chunk_k(LinearWeight w) {
+  return w == LinearWeight::BF16 ? 64 : 256;
+}
+
+int linear_stage_bytes(LinearWeight w, int mt) {
+  // bf16: 16*mt rows x 64 k x 2 B. MXFP4: 16*mt rows x 128 B packed, plus each thread's copy
+  // of its two rows' 8 scale bytes (32 lanes x 2 rows x 8 B per 16 rows).
+  return w == LinearWeight::BF16 ? 2048 * mt : 2560 * mt;
+}
+
+double linear_weight_bytes(LinearWeight w, int64_t n, int64_t k) {
+  const double e = static_cast<double>(n) * static_cast<double>(k);
+  return w == LinearWeight::BF16 ? 2.0 * e : e / 2.0 + e / 32.0;
+}
+
+int linear_max_threads(int nt, int mt) {
+  return nt * mt >= 8 ? 256 : 512;
+}
+
+bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
+  if (p.fallback) return true;
+  const int kc = linear_chunk_k(p.weight);
+  if (p.threads() > linear_max_threads(p.nt, p.mt) || p.threads() < 64) return false;
+  if (p.ck < 1 || p.ck > 8 || p.stages < 2 || p.stages > 7 || p.m > 8 * p.nt) return false;
+  p.chunks = static_cast<int>((p.k + kc - 1) / kc);
+  if (p.chunks < p.ck * p.wk) return false;  // every warp gets at least one chunk
+  const int per_cta = (p.chunks + p.ck - 1) / p.ck;
+  // Row pitch of the staged x: +64 B (bf16) / +16 B (MXFP4, with a swizzle) keeps the 16-byte
+  // fragment reads of one warp conflict-free (skinny_gemm.cuh).
+  p.x_pitch = per_cta * kc * 2 + (p.weight == LinearWeight::BF16 ? 64 : 16);
+  const int mx = std::min(p.m, 8 * p.nt);
+  p.x_bytes = (static_cast<size_t>(mx) * p.x_pitch + 127) / 128 * 128;
+  const size_t rings =
+      static_cast<size_t>(p.wn * p.wk) * p.stages * linear_stage_bytes(p.weight, p.mt);
+  const size_t red = static_cast<size_t>(p.wk) * mx * p.rows_per_cta() * sizeof(float);
+  p.smem_bytes = std::max(p.x_bytes + rings, red);
+  return p.smem_bytes <= d.smem_per_block_optin;
+}
+
+double h200_read_curve_tbps(double bytes) {
+  static constexpr double kMB[] = {1, 4, 8, 16, 32, 64, 128};
+  static constexpr double kTBps[] = {0.8, 1.8, 2.7, 3.1, 3.7, 4.1, 4.2};
+  const double mb = bytes / (1024.0 * 1024.0);
+  if (mb <= kMB[0]) return kTBps[0] * std::max(mb, 1e-6) / kMB[0];
+  for (int i = 1; i < 7; ++i)
+    if (mb <= kMB[i]) {
+      const double t = std::log(mb / kMB[i - 1]) / std::log(kMB[i] / kMB[i - 1]);
+      return kTBps[i - 1] + t * (kTBps[i] - kTBps[i - 1]);
+    }
+  return kTBps[6];
+}
+
+namespace {
+
+// Model constants: leads, to be refitted from the k3_bench_ops plan sweep on the H200.
+constexpr double kLatencyUs = 1.0;    // loaded DRAM latency: in-flight bytes / latency
+constexpr double kSmBwCap = 50e9;     // bytes/s one SM can pull (a guess, see above)
+constexpr double kSmemBw = 200e9;     // shared-memory bytes/s per SM usable here
+constexpr double kL2ToSm = 80e9;      // x staging, bytes/s per SM
+constexpr double kClusterUs = 0.6;    // cluster barrier + DSMEM reduction
+constexpr double kCtaReduceUs = 0.3;  // intra-CTA reduction and output
+
+double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
+  const int threads = p.threads();
+  int occ = static_cast<int>(d.smem_per_sm / (p.smem_bytes + 1024));
+  occ = std::min(occ, d.max_threads_per_sm / threads);
+  if (regs > 0) occ = std::min(occ, d.regs_per_sm / (threads * ((regs + 7) / 8 * 8)));
+  occ = std::min(occ, 32);
+  if (occ <= 0) return 1e30;
+  const double grid = static_cast<double>(p.grid_x()) * p.groups;
+  const double conc = static_cast<double>(d.sms) * occ;
+  const double waves = std::ceil(grid / conc);
+  const double wbytes = linear_weight_bytes(p.weight, p.n, p.k) * p.groups;
+  const double per_cta = wbytes / grid;
+  const double cta_per_sm = std::min<double>(occ, grid / d.sms);  // average over busy SMs
+  const double cta_per_sm_max = std::min<double>(occ, std::ceil(grid / d.sms));
+  const double active_sms = std::min<double>(d.sms, grid);
+  const int kc = linear_chunk_k(p.weight);
+  const int per_warp = std::max(1, (p.chunks / p.ck) / p.wk);
+  const double in_flight = cta_per_sm * p.wn * p.wk * std::min(p.stages - 1, per_warp) *
+                           linear_stage_bytes(p.weight, p.mt) *
+                           (p.weight == LinearWeight::BF16 ? 1.0 : 0.8);
+  // Little's law, saturating smoothly at the per-SM cap (more in flight always helps a little).
+  const double sm_bw = kSmBwCap * (1.0 - std::exp(-in_flight / (kSmBwCap * kLatencyUs * 1e-6)));
+  const double bw = std::min(h200_read_curve_tbps(wbytes) * 1e12, active_sms * sm_bw);
+  // Partial last wave: the time is set by whole waves.
+  const double t_w = wbytes / bw * (waves * std::min(grid, conc) / grid) * 1e6;
+  // Shared memory: W written and read once, x fragments read by each row set.
+  const int mx = std::min(p.m, 8 * p.nt);
+  const double bpe = p.weight == LinearWeight::BF16 ? 2.0 : 0.53125;
+  const double x_ratio = 2.0 * mx / (16.0 * p.mt * bpe);
+  const double t_smem = per_cta * cta_per_sm_max * waves * (2.0 + x_ratio) / kSmemBw * 1e6;
+  const double x_slice = static_cast<double>(mx) * (static_cast<double>(p.k) / p.ck) * 2.0;
+  const double t_x = waves * x_slice * cta_per_sm_max / kL2ToSm * 1e6;
+  (void)kc;
+  const double t_red = (p.ck > 1 ? kClusterUs : 0.0) + kCtaReduceUs;
+  return std::max(t_w, t_smem) + waves * kLatencyUs + t_x + t_red;
+}
+
+}  // namespace
+
+std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
+                                          const DeviceLimits& d, const LinearRegs& regs) {
+  K3_CHECK(m >= 1 && m <= 64, "linear plan: m = ", m, " (1..64 per launch)");
+  K3_CHECK(n >= 1 && k >= 1 && groups >= 1, "linear plan: n ", n, ", k ", k, ", groups ", groups);
+  static constexpr int kNt[] = {1, 2, 4, 6, 8};
+  int nt = 0;
+  for (int t : kNt)
+    if (8 * t >= m) {
+      nt = t;
+      break;
+    }
+  std::vector<LinearPlan> out;
+  for (int mt = 1; mt <= (nt >= 4 ? 2 : 1); ++mt) {
+    const int r = regs ? regs(nt, mt) : 0;
+    for (int wn = 1; wn <= 8; ++wn)
+      for (int wk = 1; wk <= 8; ++wk)
+        for (int ck = 1; ck <= 8; ++ck)
+          for (int stages : {2, 3, 4, 6}) {
+            LinearPlan p;
+            p.weight = w;
+            p.m = m;
+            p.n = n;
+            p.k = k;
+            p.groups = groups;
+            p.nt = nt;
+            p.mt = mt;
+            p.wn = wn;
+            p.wk = wk;
+            p.ck = ck;
+            p.stages = stages;
+            if (!finalize_plan(p, d)) continue;
+            if (p.grid_x() > 0x7fffffff / 2) continue;
+            p.model_us = model_us(p, d, r);
+            out.push_back(p);
+          }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const LinearPlan& a, const LinearPlan& b) {
+    return a.model_us < b.model_us;
+  });
+  return out;
+}
+
+}  // namespace k3::cuda

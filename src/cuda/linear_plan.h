@@ -1,0 +1,81 @@
+// Launch plans for the skinny decode GEMMs y[M, N] = x[M, K] . W[N, K]^T (M <= 64): how the
+// weight is tiled over warps, CTAs and clusters. Host-only; the kernels are in linear_bf16.cu
+// and linear_mxfp4.cu, their shared body in skinny_gemm.cuh.
+//
+// Tiling. A warp owns 16 * mt rows of W and a contiguous run of k "chunks" (64 k for bf16,
+// 256 k for MXFP4: 128 B of every row) and streams them through its own `stages`-deep cp.async
+// ring in shared memory. A CTA holds wn x wk warps: wn side by side along N, wk along K, and
+// stages its slice of x (all M rows) in shared memory once. ck CTAs along K form a cluster;
+// partial sums meet in fixed order through shared memory (warps) and distributed shared memory
+// (the cluster), so results are deterministic and there is no workspace or second pass.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace k3::cuda {
+
+enum class LinearWeight : uint8_t { BF16, MXFP4 };
+
+struct DeviceLimits {
+  int sms = 132;
+  size_t smem_per_block_optin = 227 * 1024;
+  size_t smem_per_sm = 228 * 1024;
+  int regs_per_sm = 65536;
+  int max_threads_per_sm = 2048;
+};
+// The current device's limits (queried once per device).
+DeviceLimits device_limits();
+
+struct LinearPlan {
+  LinearWeight weight = LinearWeight::BF16;
+  int m = 0;  // token rows (<= 64 for one launch)
+  int64_t n = 0, k = 0;
+  int groups = 1;  // grouped (MoE) launches: slots; dense: 1
+  // Knobs.
+  bool fallback = false;  // generic kernel: K or alignment the tiled kernel cannot take
+  int nt = 1;             // 8-token mma column tiles: m <= 8 * nt (1, 2, 4, 6 or 8)
+  int mt = 1;             // 16-row mma row tiles per warp (1 or 2)
+  int wn = 1, wk = 1;     // warps per CTA along N and K
+  int ck = 1;             // CTAs per cluster along K (1..8)
+  int stages = 4;         // per-warp cp.async ring depth (2..7)
+  // Derived by finalize_plan.
+  int chunks = 0;         // k chunks over K
+  int x_pitch = 0;        // bytes per staged x row
+  size_t x_bytes = 0;     // staged x slice (offset of the W rings)
+  size_t smem_bytes = 0;  // dynamic shared memory per CTA
+  double model_us = 0;    // the planner's cost estimate
+
+  int threads() const { return 32 * wn * wk; }
+  int rows_per_cta() const { return 16 * mt * wn; }
+  int64_t row_tiles() const { return (n + rows_per_cta() - 1) / rows_per_cta(); }
+  int64_t grid_x() const { return row_tiles() * ck; }
+  std::string str() const;
+};
+
+// Format constants.
+int linear_chunk_k(LinearWeight w);                                // k per chunk: 64 / 256
+int linear_stage_bytes(LinearWeight w, int mt);                    // one warp's ring slot
+double linear_weight_bytes(LinearWeight w, int64_t n, int64_t k);  // N*K*2 or N*K/2 + N*K/32
+int linear_max_threads(int nt, int mt);                            // the kernel's __launch_bounds__
+
+// Fills the derived fields of a plan whose knobs are set; false when it cannot run (shared
+// memory, threads, more k workers than chunks).
+bool finalize_plan(LinearPlan& p, const DeviceLimits& d);
+
+// Registers per thread of the (nt, mt) kernel instantiation, for occupancy (0: unknown).
+using LinearRegs = std::function<int(int nt, int mt)>;
+
+// Every valid tiled plan for the problem, cheapest model estimate first (empty when only the
+// fallback applies). The best is what the launchers use; the bench times the others.
+std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
+                                          const DeviceLimits& d, const LinearRegs& regs);
+
+// The H200 cold-L2 read bandwidth for a kernel reading `bytes` (h200-ceilings.md: 1/4/8/16/32/
+// 64/128 MB -> 0.8/1.8/2.7/3.1/3.7/4.1/4.2 TB/s, log-linear between, linear below 1 MB).
+double h200_read_curve_tbps(double bytes);
+
+}  // namespace k3::cuda

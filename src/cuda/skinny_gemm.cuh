@@ -1,0 +1,206 @@
+// The skinny decode GEMM body shared by the bf16 and MXFP4 weights (tiling: linear_plan.h):
+//   y[m, n] = sum_k x[m, k] * W[n, k],  m < 8 * NT tokens, fp32 accumulation.
+//
+// W is the mma A operand (16 rows x 16 k), x the B operand (16 k x 8 tokens). A dot product
+// may visit k in any order, so each thread keeps the 16-byte pieces of W it loaded in memory
+// order and the kernel reads x with the same permutation: no shuffles between the coalesced
+// global loads and the fragments. A format supplies (see Bf16Format / Mxfp4Format):
+//   kChunk, kStageBytes(MT), kXPermute,
+//   load_chunk<MT>(slot, W, Ws, N, K, row0, chunk, lane)   cp.async of one chunk for one warp
+//   compute_chunk<NT, MT>(acc, slot, xs, pitch, kloc, lane, mx)
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/mma.cuh"
+
+namespace k3::cuda::detail {
+
+struct SkinnyArgs {
+  // Dense weight: w [N, K] in the format, ws its scales (MXFP4) or null.
+  const void* w = nullptr;
+  const uint8_t* ws = nullptr;
+  // Grouped (MoE): slot s multiplies rows [slot_offsets[s], slot_offsets[s+1]) by expert
+  // slot_expert[s] (< 0: skip), whose matrices are w_table[e] / ws_table[e]; all device arrays.
+  const void* const* w_table = nullptr;
+  const uint8_t* const* ws_table = nullptr;
+  const int32_t* slot_expert = nullptr;   // [groups]
+  const int32_t* slot_offsets = nullptr;  // [groups + 1]
+  const int32_t* row_index = nullptr;     // [rows]: x row of each gathered row, or null (same)
+  const __nv_bfloat16* x = nullptr;       // [*, ldx] bf16
+  int64_t ldx = 0;
+  void* y = nullptr;  // [*, ldy] bf16 or fp32
+  int64_t ldy = 0;
+  int y_fp32 = 0;
+  int m = 0, n = 0, k = 0;  // m: token rows (dense) / bound per slot (grouped)
+  int wn = 1, wk = 1, ck = 1, stages = 4, chunks = 0, x_pitch = 0, x_bytes = 0;
+};
+
+// Index of the 16-byte unit u of a staged x row (MXFP4 reads 4 units 64 B apart per quad:
+// flipping bit 1 on odd 128-byte halves spreads them over all banks).
+template <bool kSwizzle>
+__device__ __forceinline__ int x_unit(int u) {
+  return kSwizzle ? (u ^ (((u >> 3) & 1) << 1)) : u;
+}
+
+// (MXFP4) 8 bf16 x values in the order the dequantized pairs come out: [0,4,1,5,2,6,3,7].
+__device__ __forceinline__ uint4 permute_x8(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
+
+template <class Fmt, int NT, int MT>
+__global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
+    skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int wn_i = warp % a.wn, wk_i = warp / a.wn;
+  const int rank = static_cast<int>(blockIdx.x) % a.ck;  // cluster rank (clusters along x)
+  const int tile = static_cast<int>(blockIdx.x) / a.ck;
+  const int bn = 16 * MT * a.wn;
+  const int row0_cta = tile * bn;
+  const int row0_w = row0_cta + wn_i * 16 * MT;
+
+  // Which weight and which rows: a uniform decision for the whole cluster (same slot).
+  const void* W = a.w;
+  const uint8_t* Ws = a.ws;
+  int mx = min(a.m, 8 * NT);
+  int off = 0;
+  if (a.slot_expert) {
+    const int s = blockIdx.y;
+    const int e = a.slot_expert[s];
+    off = a.slot_offsets[s];
+    const int cnt = a.slot_offsets[s + 1] - off;
+    if (e < 0 || cnt <= 0) return;
+    W = a.w_table[e];
+    Ws = a.ws_table ? a.ws_table[e] : nullptr;
+    mx = min(cnt, mx);
+  }
+
+  // K split: chunks [c_lo, c_hi) for this CTA, [w_lo, w_hi) for this warp.
+  const int c_lo = static_cast<int>(static_cast<int64_t>(a.chunks) * rank / a.ck);
+  const int c_hi = static_cast<int>(static_cast<int64_t>(a.chunks) * (rank + 1) / a.ck);
+  const int w_lo = c_lo + (c_hi - c_lo) * wk_i / a.wk;
+  const int w_hi = c_lo + (c_hi - c_lo) * (wk_i + 1) / a.wk;
+  const int nchunks = w_hi - w_lo;
+
+  uint8_t* xs = smem;  // [mx][x_pitch] staged x slice
+  uint8_t* ring = smem + a.x_bytes + static_cast<size_t>(warp) * a.stages * Fmt::stage_bytes(MT);
+
+  // x slice: 16-byte units of k in [c_lo * kChunk, c_hi * kChunk) for rows 0..mx-1.
+  const int units = (c_hi - c_lo) * Fmt::kChunk / 8;
+  const int k_base = c_lo * Fmt::kChunk;
+  auto x_src = [&](int m, int u, bool& valid) {
+    const int kk = k_base + u * 8;
+    valid = kk < a.k;
+    const int xr = a.row_index ? a.row_index[off + m] : off + m;
+    return a.x + static_cast<int64_t>(xr) * a.ldx + (valid ? kk : 0);
+  };
+  if constexpr (!Fmt::kXPermute) {
+    for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
+      const int m = i / units, u = i % units;
+      bool valid;
+      const __nv_bfloat16* src = x_src(m, u, valid);
+      cp_async16(xs + m * a.x_pitch + x_unit<false>(u) * 16, src, valid);
+    }
+  }
+  cp_async_commit();
+  // The W ring prologue: stages - 1 chunks in flight before any compute.
+  for (int s = 0; s < a.stages - 1; ++s) {
+    if (s < nchunks)
+      Fmt::template load_chunk<MT>(ring + s * Fmt::stage_bytes(MT), W, Ws, a.n, a.k, row0_w,
+                                   w_lo + s, lane);
+    cp_async_commit();
+  }
+  if constexpr (Fmt::kXPermute) {
+    // Through registers: the permutation does not fit a plain copy. Overlaps the W prologue.
+    for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
+      const int m = i / units, u = i % units;
+      bool valid;
+      const __nv_bfloat16* src = x_src(m, u, valid);
+      const uint4 v = valid ? permute_x8(ldg128(src)) : make_uint4(0, 0, 0, 0);
+      sts128(xs + m * a.x_pitch + x_unit<true>(u) * 16, v);
+    }
+  }
+  cp_async_wait_dyn(a.stages - 1);  // the x group (oldest) has landed
+  __syncthreads();
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  int slot = 0;
+  for (int i = 0; i < nchunks; ++i) {
+    cp_async_wait_dyn(a.stages - 2);  // chunk i has landed (this thread's copies)
+    const int nx = i + a.stages - 1;  // refill the slot chunk i-1 used
+    const int nslot = slot == 0 ? a.stages - 1 : slot - 1;
+    if (nx < nchunks)
+      Fmt::template load_chunk<MT>(ring + nslot * Fmt::stage_bytes(MT), W, Ws, a.n, a.k, row0_w,
+                                   w_lo + nx, lane);
+    cp_async_commit();
+    Fmt::template compute_chunk<NT, MT>(acc, ring + slot * Fmt::stage_bytes(MT), xs, a.x_pitch,
+                                        (w_lo + i - c_lo) * Fmt::kChunk, lane, mx);
+    slot = slot + 1 == a.stages ? 0 : slot + 1;
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // x and the rings are dead: reuse shared memory for the reduction
+
+  // red[wk][mx][bn]: each warp's 16*MT x 8*NT tile, then summed over wk in order into red[0].
+  float* red = reinterpret_cast<float*>(smem);
+  const int c = lane & 3;
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = wn_i * 16 * MT + i * 16 + g + (e >= 2 ? 8 : 0);
+        const int m = j * 8 + 2 * c + (e & 1);
+        if (m < mx) red[(wk_i * mx + m) * bn + r] = acc[i][j][e];
+      }
+  __syncthreads();
+  const int elems = mx * bn;
+  for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) {
+    float t = red[idx];
+    for (int q = 1; q < a.wk; ++q) t += red[q * elems + idx];
+    red[idx] = t;
+  }
+
+  auto store = [&](int idx, float v) {
+    const int m = idx / bn, r = idx % bn;
+    const int row = row0_cta + r;
+    if (row >= a.n) return;
+    const int64_t o = static_cast<int64_t>(off + m) * a.ldy + row;
+    if (a.y_fp32)
+      static_cast<float*>(a.y)[o] = v;
+    else
+      static_cast<__nv_bfloat16*>(a.y)[o] = __float2bfloat16_rn(v);
+  };
+  if (a.ck == 1) {  // same thread, same idx as the sum above: no barrier needed
+    for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) store(idx, red[idx]);
+    return;
+  }
+  // Cluster: rank q's partial tile is red[0..elems) in its shared memory; this rank sums its
+  // share of the elements over ranks 0..ck-1 in order.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
+  const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
+  for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
+    float t = 0.0f;
+    for (int q = 0; q < a.ck; ++q) t += cluster.map_shared_rank(red, q)[idx];
+    store(idx, t);
+  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+}  // namespace k3::cuda::detail

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# On a GPU machine, from anywhere in the repo: runs the CUDA op tests (k3_gpu_tests) and the
+# kernel benchmarks (k3_bench_ops), logs everything to ${OUT:-/tmp}/gpu_check.log and prints a
+# short summary last.
+#
+# Binaries are taken from $K3_BIN_DIR, build/, build-cuda/ or .gpu_carry/ (first that has both);
+# when none has them, tools/setup.sh builds build/ first.
+# Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+out_dir="${OUT:-/tmp}"
+mkdir -p "$out_dir"
+log="$out_dir/gpu_check.log"
+: >"$log"
+
+bin_dir=""
+for d in "${K3_BIN_DIR:-}" build build-cuda .gpu_carry; do
+  if [ -n "$d" ] && [ -x "$d/k3_gpu_tests" ] && [ -x "$d/k3_bench_ops" ]; then
+    bin_dir="$d"
+    break
+  fi
+done
+if [ -z "$bin_dir" ]; then
+  echo "== building (tools/setup.sh)" | tee -a "$log"
+  if ! tools/setup.sh >>"$log" 2>&1; then
+    echo "build failed; see $log" >&2
+    tail -n 40 "$log" >&2
+    exit 1
+  fi
+  bin_dir=build
+fi
+
+{
+  echo "== $(date -u +%FT%TZ) binaries from $bin_dir"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw \
+    --format=csv 2>&1 || true
+} | tee -a "$log"
+
+echo "== k3_gpu_tests" | tee -a "$log"
+"$bin_dir/k3_gpu_tests" --gtest_brief=1 2>&1 | tee -a "$log"
+tests_rc=${PIPESTATUS[0]}
+
+echo "== k3_bench_ops $*" | tee -a "$log"
+"$bin_dir/k3_bench_ops" "$@" 2>&1 | tee "$out_dir/bench_ops.log" | tee -a "$log" >/dev/null
+bench_rc=${PIPESTATUS[0]}
+
+# Summary: test verdict, failures, then the bench's own compact tables (printed last by it).
+{
+  echo
+  echo "================ summary ================"
+  case $tests_rc in
+    0) echo "k3_gpu_tests: PASS ($(grep -m1 -oE '[0-9]+ tests? from [0-9]+ test suites? ran' "$log" || true))" ;;
+    77) echo "k3_gpu_tests: SKIPPED (no usable GPU)" ;;
+    *) echo "k3_gpu_tests: FAIL (rc $tests_rc)"
+       grep -E '^\[  FAILED  \]' "$log" | sort -u | head -20
+       grep -E 'Failure|outside tolerance|not written|differ' "$log" | head -20 ;;
+  esac
+  echo "k3_bench_ops: rc $bench_rc (full output: $out_dir/bench_ops.log)"
+  if grep -q '^plan sweep' "$out_dir/bench_ops.log"; then
+    awk '/^plan sweep/{p=1} p' "$out_dir/bench_ops.log"
+  else
+    awk '/^kernel +shape/{p=1} p' "$out_dir/bench_ops.log"
+  fi
+  if [ "$bench_rc" -ne 0 ]; then tail -n 5 "$out_dir/bench_ops.log"; fi
+} | tee -a "$log"
+
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
