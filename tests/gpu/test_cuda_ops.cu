@@ -1,6 +1,6 @@
 // Every CUDA stock-path op against its CPU oracle (src/cpu/ops_*.h), on fresh random inputs
 // (the seed is printed; K3_TEST_SEED replays it). Outputs are poisoned with NaN before each
-// launch and every element must be written. Exits 77 ("skipped" for ctest) without a GPU.
+// launch and every element must be written. main() is in gpu_main.cu (exit 77 without a GPU).
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
@@ -696,20 +696,3 @@ TEST(CudaArgmax, MatchesCpuWithTies) {
 
 }  // namespace
 }  // namespace k3
-
-int main(int argc, char** argv) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    (void)cudaGetLastError();
-    std::printf("no GPU: skipped\n");
-    return 77;
-  }
-  cudaDeviceProp p{};
-  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess || p.major != 9) {
-    std::printf("no sm_90 GPU (found %s, sm_%d%d): skipped\n", p.name, p.major, p.minor);
-    return 77;
-  }
-  std::printf("GPU: %s, %d SMs\n", p.name, p.multiProcessorCount);
-  ::testing::InitGoogleTest(&argc, argv);
-  return RUN_ALL_TESTS();
-}
