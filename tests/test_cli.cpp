@@ -9,28 +9,17 @@
 #include <filesystem>
 #include <string>
 
+#include "run_command.h"
 #include "test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct CliRun {
-  int status = -1;
-  std::string output;  // stdout and stderr together
-};
+using CliRun = k3::test::CommandResult;
 
 CliRun run(const std::string& args, const std::string& env = "") {
-  const std::string cmd = env + " " + std::string(K3_BINARY) + " " + args + " 2>&1";
-  CliRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  return k3::test::run_command(env + " " + std::string(K3_BINARY) + " " + args);
 }
 
 std::string temp(const std::string& name) {

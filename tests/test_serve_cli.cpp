@@ -8,27 +8,16 @@
 #include <cstdio>
 #include <string>
 
+#include "run_command.h"
 #include "test_util.h"
 
 namespace {
 
-struct Run {
-  int status = -1;
-  std::string output;
-};
+using Run = k3::test::CommandResult;
 
 Run serve(const std::string& args) {
   const std::string env = "K3_CACHE_DIR=" + k3::test::temp_dir("serve_cli").string();
-  const std::string cmd = env + " timeout -s TERM 20 " + K3_BINARY + " serve " + args + " 2>&1";
-  Run r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int st = pclose(p);
-  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-  return r;
+  return k3::test::run_command(env + " timeout -s TERM 20 " + K3_BINARY + " serve " + args);
 }
 
 void expect_refusal(const std::string& args, const std::string& message) {
