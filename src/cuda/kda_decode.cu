@@ -1,0 +1,226 @@
+// Fused KDA decode step, one CTA per (row, head).
+//
+// Design: the head's D x D state (rows i = key channel, columns j = value channel) is held in
+// registers for the whole step, so it is read once and written once (the byte floor). Thread t
+// owns column j = t % D and the RPT consecutive rows of row group t / D (RPT = 32, or 16 for
+// D = 32, so D = 128 runs 512 threads with 32 state registers each). At a fixed row a warp
+// touches 32 consecutive columns: every access is one coalesced 128-byte (fp32) line.
+//   1. conv + SiLU of the head's 3D channels (window shifted in place), decay gate, beta;
+//   2. L2 norms of q and k (one warp each);
+//   3. load + decay the rows, partial S^T k per row group -> shared -> u_j = beta (v_j - .);
+//   4. S += k u^T in registers, partial S^T q from the UPDATED state (the CPU order), store;
+//   5. o_j = scale * sum, block sum of o^2, out = o * inv * w * sigmoid(z) -> bf16.
+// Bytes per (row, head): 2 * D * D * sizeof(state) for the state, plus 3D * (kernel-1) * 2 * 2
+// for the conv window and ~(6D + 1) * 2 for u, f, z, beta, out.
+// Columns are independent in the recurrence; only the gated norm couples them. Splitting the
+// columns across a thread-block cluster (DSMEM reduction of sum o^2) would give more CTAs at
+// small batch (K3 TP16: 6 heads); not done here.
+#include "cuda/kda_decode.h"
+
+#include <cmath>
+
+#include "core/error.h"
+#include "cuda/block_reduce.cuh"
+#include "cuda/check.h"
+#include "cuda/device_util.cuh"
+
+namespace k3::cuda {
+namespace {
+
+constexpr int kMaxKernel = 8;
+
+// Same branch structure as cpu::sigmoid (never exponentiates a positive number).
+__device__ __forceinline__ float sigmoid_f(float x) {
+  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+  const float e = expf(x);
+  return e / (1.0f + e);
+}
+__device__ __forceinline__ float softplus_f(float x) {
+  return x > 20.0f ? x : log1pf(expf(x));
+}
+
+__device__ __forceinline__ float load_state(const float* p) {
+  return *p;
+}
+__device__ __forceinline__ float load_state(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+__device__ __forceinline__ void store_state(float* p, float v) {
+  *p = v;
+}
+__device__ __forceinline__ void store_state(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);  // nearest even, as the CPU StateBuffer::store
+}
+
+template <int D>
+struct Cfg {
+  static constexpr int kRpt = D >= 64 ? 32 : 16;  // state rows per thread (registers)
+  static constexpr int kGroups = D / kRpt;        // row groups
+  static constexpr int kThreads = D * kGroups;    // 64 (D 32), 128 (D 64), 512 (D 128)
+};
+
+template <int D, typename StateT>
+__global__ void __launch_bounds__(Cfg<D>::kThreads)
+    kda_decode_kernel(const __nv_bfloat16* __restrict__ u, const __nv_bfloat16* __restrict__ f,
+                      const __nv_bfloat16* __restrict__ beta_logit,
+                      const __nv_bfloat16* __restrict__ z, KdaDecodeWeights w,
+                      const int32_t* __restrict__ slot_of_row, __nv_bfloat16* conv_state,
+                      StateT* state, __nv_bfloat16* __restrict__ out, int heads, int kernel) {
+  using C = Cfg<D>;
+  const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+  const int64_t P = static_cast<int64_t>(heads) * D;
+  const int hist = kernel - 1;
+  const int64_t slot = slot_of_row[row];
+
+  __shared__ float qkv[3][D];            // post-conv q, k, v of this head (fp32)
+  __shared__ float alpha[D];             // exp(g) per key channel
+  __shared__ float part[C::kGroups][D];  // per-row-group partial column dots
+  __shared__ float ud[D];                // the delta-rule update u_j
+  __shared__ float misc[4];              // beta, 1/|q|, 1/|k|
+  __shared__ float scratch[33];
+
+  // 1. Short conv + SiLU over channel c of stream s (q, k, v), window updated in place.
+  const __nv_bfloat16* ur = u + row * 3 * P;  // [3][P]
+  for (int e = tid; e < 3 * D; e += C::kThreads) {
+    const int s = e / D, d = e % D;
+    const int64_t ch = s * P + static_cast<int64_t>(h) * D + d;    // index into [3][P]
+    const float* wc = w.conv + ch * kernel;                        // [kernel] fp32
+    __nv_bfloat16* win = conv_state + (slot * 3 * P + ch) * hist;  // [kernel-1] bf16
+    const float cur = __bfloat162float(ur[ch]);
+    float x[kMaxKernel];
+    float acc = 0.0f;
+    for (int j = 0; j < hist; ++j) {
+      x[j] = __bfloat162float(win[j]);
+      acc += wc[j] * x[j];
+    }
+    acc += wc[hist] * cur;
+    // The window holds bf16 pre-conv inputs, which u already is: the shift is exact.
+    for (int j = 0; j + 1 < hist; ++j) win[j] = __float2bfloat16_rn(x[j + 1]);
+    if (hist > 0) win[hist - 1] = ur[ch];
+    qkv[s][d] = acc * sigmoid_f(acc);  // silu
+  }
+  // Decay gate per key channel and beta.
+  if (tid < D) {
+    const int64_t i = static_cast<int64_t>(h) * D + tid;
+    const float a = __bfloat162float(f[row * P + i]) + w.dt_bias[i];
+    const float a_scale = expf(w.a_log[h]);
+    const float g = isnan(w.gate_lower_bound) ? -a_scale * softplus_f(a)
+                                              : w.gate_lower_bound * sigmoid_f(a_scale * a);
+    alpha[tid] = expf(g);
+  }
+  if (tid == 0) misc[0] = sigmoid_f(__bfloat162float(beta_logit[row * heads + h]));
+  __syncthreads();
+
+  // 2. L2 norms (FLA: eps inside the root); warp 0 does q, warp 1 does k.
+  if (tid < 64) {
+    const int s = tid / 32, lane = tid % 32;
+    float ss = 0.0f;
+    for (int d = lane; d < D; d += 32) ss += qkv[s][d] * qkv[s][d];
+    ss = detail::warp_sum(ss);
+    if (lane == 0) misc[1 + s] = 1.0f / sqrtf(ss + 1e-6f);
+  }
+  __syncthreads();
+  if (tid < 2 * D) qkv[tid / D][tid % D] *= misc[1 + tid / D];
+  __syncthreads();
+
+  // 3. Load the owned rows of column j, decay, partial S^T k.
+  const int j = tid % D, grp = tid / D, i0 = grp * C::kRpt;
+  StateT* S = state + (slot * heads + h) * static_cast<int64_t>(D) * D;  // [D][D]
+  float s[C::kRpt];
+#pragma unroll
+  for (int r = 0; r < C::kRpt; ++r) s[r] = load_state(S + (i0 + r) * D + j);
+  float acc = 0.0f;
+#pragma unroll
+  for (int r = 0; r < C::kRpt; ++r) {
+    s[r] *= alpha[i0 + r];
+    acc += s[r] * qkv[1][i0 + r];
+  }
+  part[grp][j] = acc;
+  __syncthreads();
+  if (grp == 0) {
+    float kS = 0.0f;
+#pragma unroll
+    for (int g2 = 0; g2 < C::kGroups; ++g2) kS += part[g2][j];
+    ud[j] = misc[0] * (qkv[2][j] - kS);
+  }
+  __syncthreads();
+
+  // 4. Rank-one write, then read with the updated state; store it.
+  const float uj = ud[j];
+  acc = 0.0f;
+#pragma unroll
+  for (int r = 0; r < C::kRpt; ++r) {
+    s[r] += qkv[1][i0 + r] * uj;
+    acc += s[r] * qkv[0][i0 + r];
+    store_state(S + (i0 + r) * D + j, s[r]);
+  }
+  part[grp][j] = acc;
+  __syncthreads();
+
+  // 5. o_j and the gated RMSNorm over the head.
+  float o = 0.0f;
+  if (grp == 0) {
+#pragma unroll
+    for (int g2 = 0; g2 < C::kGroups; ++g2) o += part[g2][j];
+    o *= w.scale;
+  }
+  const float ss = detail::block_sum(grp == 0 ? o * o : 0.0f, scratch);
+  if (grp == 0) {
+    const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + w.eps);
+    const int64_t i = row * P + static_cast<int64_t>(h) * D + j;
+    const float y = o * inv * w.o_norm[j] * sigmoid_f(__bfloat162float(z[i]));
+    out[i] = __float2bfloat16_rn(y);
+  }
+}
+
+template <typename StateT>
+void launch(const __nv_bfloat16* u, const __nv_bfloat16* f, const __nv_bfloat16* beta_logit,
+            const __nv_bfloat16* z, const KdaDecodeWeights& w, const int32_t* slot_of_row,
+            __nv_bfloat16* conv_state, StateT* state, __nv_bfloat16* out, const KdaDecodeShape& sh,
+            cudaStream_t stream) {
+  K3_CHECK(sh.heads > 0 && sh.heads <= 65535, "kda_decode_step: heads = ", sh.heads);
+  K3_CHECK(sh.kernel >= 1 && sh.kernel <= kMaxKernel, "kda_decode_step: kernel = ", sh.kernel,
+           " (1..", kMaxKernel, ")");
+  K3_CHECK(sh.rows >= 0 && sh.rows <= 65535, "kda_decode_step: rows = ", sh.rows);
+  K3_CHECK(u && f && beta_logit && z && w.conv && w.dt_bias && w.a_log && w.o_norm && slot_of_row &&
+               state && out && (sh.kernel == 1 || conv_state),
+           "kda_decode_step: null pointer");
+  if (sh.rows == 0) return;
+  const dim3 grid(static_cast<unsigned>(sh.heads), static_cast<unsigned>(sh.rows));
+  switch (sh.head_dim) {
+    case 32:
+      kda_decode_kernel<32, StateT><<<grid, Cfg<32>::kThreads, 0, stream>>>(
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel);
+      break;
+    case 64:
+      kda_decode_kernel<64, StateT><<<grid, Cfg<64>::kThreads, 0, stream>>>(
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel);
+      break;
+    case 128:
+      kda_decode_kernel<128, StateT><<<grid, Cfg<128>::kThreads, 0, stream>>>(
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel);
+      break;
+    default:
+      fail("kda_decode_step: head_dim ", sh.head_dim, " unsupported (32, 64, 128)");
+  }
+  K3_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
+                     const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
+                     const KdaDecodeWeights& w, const int32_t* slot_of_row,
+                     __nv_bfloat16* conv_state, float* state, __nv_bfloat16* out,
+                     const KdaDecodeShape& shape, cudaStream_t stream) {
+  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream);
+}
+void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
+                     const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
+                     const KdaDecodeWeights& w, const int32_t* slot_of_row,
+                     __nv_bfloat16* conv_state, __nv_bfloat16* state, __nv_bfloat16* out,
+                     const KdaDecodeShape& shape, cudaStream_t stream) {
+  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream);
+}
+
+}  // namespace k3::cuda

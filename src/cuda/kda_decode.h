@@ -1,0 +1,54 @@
+// One fused Kimi Delta Attention decode step (spec 3.2) for a batch of rows at q = 1: short conv
+// + SiLU (conv window updated), per-head L2 norm of q and k, decay gate, beta = sigmoid, the
+// delta-rule recurrence on the stored state, gated RMSNorm. Matches the CPU chain of
+// cpu/layer_kda.cpp (kda_short_conv_step, l2_normalize, kda_decay_gate, sigmoid,
+// kda_recurrence_step, kda_gated_norm, bf16 rounding of the output) on the same inputs.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace k3::cuda {
+
+// Per-layer weights and constants, all device pointers (P = heads * head_dim).
+struct KdaDecodeWeights {
+  const float* conv = nullptr;     // [3 (q,k,v)][P][kernel] fp32; tap kernel-1 = current token
+  const float* dt_bias = nullptr;  // [P] fp32
+  const float* a_log = nullptr;    // [>= heads] fp32 (only the first `heads` are read)
+  const float* o_norm = nullptr;   // [head_dim] fp32, shared by every head
+  float gate_lower_bound = 0.0f;   // K3 form lb * sigmoid(exp(a_log) a); NaN: softplus form
+  float eps = 1e-6f;               // rms_norm_eps (gated norm); the q/k L2 norm uses 1e-6
+  float scale = 1.0f;              // 1 / sqrt(head_dim)
+};
+
+struct KdaDecodeShape {
+  int64_t rows = 0;  // requests in the batch, one token each
+  int heads = 0;     // any count
+  int head_dim = 0;  // 32, 64 or 128
+  int kernel = 0;    // short conv taps, 1..8
+};
+
+// u:           [rows][3][P] bf16, pre-conv q, k, v projections
+// f:           [rows][P] bf16, f_b(f_a(x)) (decay-gate pre-activation, before dt_bias)
+// beta_logit:  [rows][heads] bf16, b_proj(x)
+// z:           [rows][P] bf16, output-gate projection
+// slot_of_row: [rows] int32 in DEVICE memory (a captured graph reads the mapping at replay);
+//              slots must be distinct within one launch (each slot's state has one writer)
+// conv_state:  [slots][3][P][kernel-1] bf16, oldest first; updated in place
+// state:       [slots][heads][head_dim][head_dim] fp32 or bf16, rows = key channel; in place
+// out:         [rows][P] bf16 = rms_norm(o_h; o_norm, eps) * sigmoid(z), the o_proj input
+// One CTA per (row, head); no allocation, no host sync; slots not in the batch are untouched.
+void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
+                     const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
+                     const KdaDecodeWeights& w, const int32_t* slot_of_row,
+                     __nv_bfloat16* conv_state, float* state, __nv_bfloat16* out,
+                     const KdaDecodeShape& shape, cudaStream_t stream);
+void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
+                     const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
+                     const KdaDecodeWeights& w, const int32_t* slot_of_row,
+                     __nv_bfloat16* conv_state, __nv_bfloat16* state, __nv_bfloat16* out,
+                     const KdaDecodeShape& shape, cudaStream_t stream);
+
+}  // namespace k3::cuda
