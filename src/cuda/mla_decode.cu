@@ -1,0 +1,289 @@
+// Absorbed MLA decode, CUDA cores, fp32 math. Kernel 1 (split): one CTA per (split, head
+// group, row) streams its token range through shared memory in tiles of 32 cache rows (16-B
+// loads through the page table), scores all heads of the group against each row (one warp per
+// token), updates a per-head online softmax and accumulates p x c (one thread per 8 latent
+// columns x up to 4 heads). Kernel 2 (combine): merges the splits of each (row, head) in split
+// order, so the result does not depend on scheduling.
+#include "cuda/mla_decode.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "cuda/check.h"
+
+namespace k3::cuda {
+namespace {
+
+constexpr int kKvLora = 512;
+constexpr int kRope = 64;
+constexpr int kD = kKvLora + kRope;  // 576 values per cached token
+constexpr int kChunks = kD / 8;      // 72 16-byte chunks per cache row
+constexpr int kTile = 32;            // cache rows per shared-memory tile
+constexpr int kMaxHeads = 16;        // heads per CTA (register budget of the score warp)
+constexpr int kThreads = 256;
+constexpr int kColGroups = kKvLora / 8;                       // 64 threads span the latent columns
+constexpr int kHeadSets = kThreads / kColGroups;              // 4 head subsets in the PV step
+constexpr int kHeadsPerThread = kMaxHeads / kHeadSets;        // 4
+constexpr size_t kSmemBytes = sizeof(float) * kMaxHeads * kD  // q, fp32
+                              + sizeof(__nv_bfloat16) * kTile * kD  // cache tile
+                              + sizeof(float) * kMaxHeads * kTile   // scores, then p
+                              + sizeof(float) * kMaxHeads * 3;      // m, l, alpha
+
+__device__ __forceinline__ void bf16x8_to_f32(const uint4 u, float (&v)[8]) {
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    mla_split_kernel(const __nv_bfloat16* __restrict__ q_abs,
+                     const __nv_bfloat16* __restrict__ q_pe,
+                     const __nv_bfloat16* __restrict__ cache,
+                     const int32_t* __restrict__ block_table, const int32_t* __restrict__ seq_len,
+                     const int32_t* __restrict__ selected, const int32_t* __restrict__ n_selected,
+                     int heads, int hpg, int page_size, int max_pages, int max_sel, float scale,
+                     float* __restrict__ ws_acc, float* __restrict__ ws_ml) {
+  // q_abs [rows][heads][512] bf16; q_pe [rows][heads][64] bf16; cache [pages][page_size][576];
+  // ws_acc [rows][heads][splits][512] fp32 (unnormalised sum p c); ws_ml [rows][heads][splits][2]
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* qs = reinterpret_cast<float*>(smem);                                   // [kMaxHeads][kD]
+  __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(qs + kMaxHeads * kD);  // [kTile][kD]
+  float* ps = reinterpret_cast<float*>(tile + kTile * kD);  // [kMaxHeads][kTile]
+  float* m_s = ps + kMaxHeads * kTile;                      // [kMaxHeads] running max
+  float* l_s = m_s + kMaxHeads;                             // [kMaxHeads] running sum
+  float* a_s = l_s + kMaxHeads;                             // [kMaxHeads] rescale this tile
+
+  const int split = blockIdx.x, splits = gridDim.x;
+  const int h0 = blockIdx.y * hpg, row = blockIdx.z;
+  const int hg = min(hpg, heads - h0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int32_t* sel = selected ? selected + static_cast<int64_t>(row) * max_sel : nullptr;
+  const int n = max(0, sel ? n_selected[row] : seq_len[row]);
+  const int32_t* bt = block_table + static_cast<int64_t>(row) * max_pages;
+  // Equal token ranges in whole tiles; trailing splits may be empty (they report m = -inf).
+  const int chunk = ((n + splits - 1) / splits + kTile - 1) / kTile * kTile;
+  const int beg = min(n, split * chunk), end = min(n, beg + chunk);
+
+  for (int i = tid; i < hg * kD; i += kThreads) {
+    const int h = i / kD, d = i % kD;
+    const int64_t qh = static_cast<int64_t>(row) * heads + h0 + h;
+    qs[h * kD + d] = d < kKvLora ? __bfloat162float(q_abs[qh * kKvLora + d])
+                                 : __bfloat162float(q_pe[qh * kRope + d - kKvLora]);
+  }
+  if (tid < kMaxHeads) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.0f;
+  }
+  const int cg = tid % kColGroups, hs = tid / kColGroups;
+  float acc[kHeadsPerThread][8] = {};
+
+  for (int t0 = beg; t0 < end; t0 += kTile) {
+    const int nt = min(kTile, end - t0);
+    // 1. Tile load: 16-byte chunks, token -> (page, slot) through the block table.
+    for (int i = tid; i < kTile * kChunks; i += kThreads) {
+      const int r = i / kChunks, c = i % kChunks;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < nt) {
+        const int pos = sel ? sel[t0 + r] : t0 + r;
+        const int64_t page = bt[pos / page_size];
+        const __nv_bfloat16* src = cache + (page * page_size + pos % page_size) * kD + c * 8;
+        v = __ldg(reinterpret_cast<const uint4*>(src));
+      }
+      *reinterpret_cast<uint4*>(tile + r * kD + c * 8) = v;
+    }
+    __syncthreads();
+    // 2. Scores: one warp per token; the lane's 8-column chunks are reused for all heads.
+    for (int t = warp; t < kTile; t += kThreads / 32) {
+      float part[kMaxHeads] = {};
+      for (int c = lane; c < kChunks; c += 32) {
+        float v[8];
+        bf16x8_to_f32(*reinterpret_cast<const uint4*>(tile + t * kD + c * 8), v);
+#pragma unroll
+        for (int h = 0; h < kMaxHeads; ++h) {
+          if (h >= hg) break;
+          const float4 qa = *reinterpret_cast<const float4*>(qs + h * kD + c * 8);
+          const float4 qb = *reinterpret_cast<const float4*>(qs + h * kD + c * 8 + 4);
+          part[h] += qa.x * v[0] + qa.y * v[1] + qa.z * v[2] + qa.w * v[3] + qb.x * v[4] +
+                     qb.y * v[5] + qb.z * v[6] + qb.w * v[7];
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < kMaxHeads; ++h) {
+        if (h >= hg) break;
+        const float s = warp_sum(part[h]);
+        if (lane == 0) ps[h * kTile + t] = t < nt ? s * scale : -INFINITY;
+      }
+    }
+    __syncthreads();
+    // 3. Online softmax: one warp per head, lane = token of the tile.
+    for (int h = warp; h < hg; h += kThreads / 32) {
+      const float s = ps[h * kTile + lane];
+      const float mo = m_s[h], mn = fmaxf(mo, warp_max(s));
+      // mn is finite here: every tile holds at least one valid token.
+      const float p = s == -INFINITY ? 0.0f : expf(s - mn);
+      const float a = mo == -INFINITY ? 0.0f : expf(mo - mn);
+      const float sum = warp_sum(p);
+      ps[h * kTile + lane] = p;
+      __syncwarp();
+      if (lane == 0) {
+        l_s[h] = l_s[h] * a + sum;
+        m_s[h] = mn;
+        a_s[h] = a;
+      }
+    }
+    __syncthreads();
+    // 4. acc = alpha acc + sum_t p_t c_t over 8 columns x up to 4 heads per thread.
+#pragma unroll
+    for (int k = 0; k < kHeadsPerThread; ++k) {
+      const int h = hs + k * kHeadSets;
+      const float a = h < hg ? a_s[h] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[k][j] *= a;
+    }
+    for (int t = 0; t < nt; ++t) {
+      float v[8];
+      bf16x8_to_f32(*reinterpret_cast<const uint4*>(tile + t * kD + cg * 8), v);
+#pragma unroll
+      for (int k = 0; k < kHeadsPerThread; ++k) {
+        const int h = hs + k * kHeadSets;
+        if (h >= hg) break;
+        const float p = ps[h * kTile + t];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[k][j] += p * v[j];
+      }
+    }
+    __syncthreads();  // the next tile overwrites tile and ps
+  }
+
+#pragma unroll
+  for (int k = 0; k < kHeadsPerThread; ++k) {
+    const int h = hs + k * kHeadSets;
+    if (h >= hg) break;
+    const int64_t slot = (static_cast<int64_t>(row) * heads + h0 + h) * splits + split;
+    float4* dst = reinterpret_cast<float4*>(ws_acc + slot * kKvLora + cg * 8);
+    dst[0] = make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
+    dst[1] = make_float4(acc[k][4], acc[k][5], acc[k][6], acc[k][7]);
+  }
+  if (tid < hg) {
+    const int64_t slot = (static_cast<int64_t>(row) * heads + h0 + tid) * splits + split;
+    ws_ml[slot * 2] = m_s[tid];
+    ws_ml[slot * 2 + 1] = l_s[tid];
+  }
+}
+
+template <bool kBf16Out>
+__global__ void __launch_bounds__(128)
+    mla_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, int heads,
+                       int splits, void* __restrict__ out) {
+  // ws_acc [rows][heads][splits][512]; ws_ml [rows][heads][splits][2];
+  // out [rows][heads][512] fp32 or bf16. One CTA per (head, row), 4 columns per thread.
+  const int64_t rh = static_cast<int64_t>(blockIdx.y) * heads + blockIdx.x;
+  const float* ml = ws_ml + rh * splits * 2;
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ml[2 * s]);
+  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f}, l = 0.0f;
+  if (mx != -INFINITY) {  // else the row has no tokens: o = 0
+    for (int s = 0; s < splits; ++s) {
+      const float m = ml[2 * s];
+      if (m == -INFINITY) continue;  // empty split (its acc is 0, its l is 0)
+      const float w = expf(m - mx);
+      l += w * ml[2 * s + 1];
+      const float4 a =
+          *reinterpret_cast<const float4*>(ws_acc + (rh * splits + s) * kKvLora + threadIdx.x * 4);
+      o[0] += w * a.x;
+      o[1] += w * a.y;
+      o[2] += w * a.z;
+      o[3] += w * a.w;
+    }
+    const float inv = 1.0f / l;
+    for (float& x : o) x *= inv;
+  }
+  const int64_t e = rh * kKvLora + threadIdx.x * 4;
+  if constexpr (kBf16Out) {
+    __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out) + e;
+    for (int j = 0; j < 4; ++j) y[j] = __float2bfloat16_rn(o[j]);
+  } else {
+    *reinterpret_cast<float4*>(static_cast<float*>(out) + e) = make_float4(o[0], o[1], o[2], o[3]);
+  }
+}
+
+}  // namespace
+
+MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
+  K3_CHECK(p.kv_lora == kKvLora && p.rope == kRope, "cuda::mla_decode: kv_lora ", p.kv_lora,
+           " / rope ", p.rope, " unsupported (the kernel is built for 512 / 64)");
+  K3_CHECK(p.rows >= 0 && p.heads >= 1 && p.heads <= 128, "cuda::mla_decode: rows ", p.rows,
+           ", heads ", p.heads);
+  K3_CHECK(p.page_size >= 1 && p.max_pages >= 1, "cuda::mla_decode: page_size ", p.page_size,
+           ", max_pages ", p.max_pages);
+  K3_CHECK(p.max_tokens >= 0 && p.max_tokens <= 0x7fffffff, "cuda::mla_decode: max_tokens ",
+           p.max_tokens);
+  K3_CHECK(sm_count >= 1, "cuda::mla_decode: sm_count ", sm_count);
+  p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
+  p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
+  // Aim at two CTAs per SM (what fits at ~74 KB of shared memory), but give each split at least
+  // max(128, 64 x heads_per_group) tokens: a split writes and the combine reads back
+  // heads_per_group x 2 KB of fp32 partials, which then stays under 6% of the split's cache bytes
+  // (K3 TP16, 6 heads: >= 384 tokens, 442 KB of cache per CTA).
+  const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(p.rows) * p.head_groups);
+  const int64_t want = (2 * static_cast<int64_t>(sm_count) + base - 1) / base;
+  const int64_t min_len = std::max<int64_t>(4 * kTile, 64 * p.heads_per_group);
+  const int64_t cap = std::max<int64_t>(1, (p.max_tokens + min_len - 1) / min_len);
+  p.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, 1024));
+  return p;
+}
+
+size_t mla_decode_workspace_bytes(const MlaDecodePlan& p) {
+  return sizeof(float) * static_cast<size_t>(p.rows) * p.heads * p.splits * (kKvLora + 2);
+}
+
+void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
+                const __nv_bfloat16* cache, const int32_t* block_table, const int32_t* seq_len,
+                const int32_t* selected, const int32_t* n_selected, float softmax_scale,
+                void* workspace, void* o_latent, bool o_bf16, cudaStream_t stream) {
+  K3_CHECK(p.splits >= 1 && p.heads_per_group >= 1 && p.heads_per_group <= kMaxHeads,
+           "cuda::mla_decode: plan not built by plan_mla_decode");
+  K3_CHECK(selected == nullptr || (n_selected != nullptr && p.max_sel >= 1),
+           "cuda::mla_decode: sparse launch needs n_selected and max_sel");
+  K3_CHECK(reinterpret_cast<uintptr_t>(cache) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(workspace) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(o_latent) % 16 == 0,
+           "cuda::mla_decode: cache, workspace and o_latent must be 16-byte aligned");
+  if (p.rows == 0) return;
+  float* ws_acc = static_cast<float*>(workspace);
+  float* ws_ml = ws_acc + static_cast<size_t>(p.rows) * p.heads * p.splits * kKvLora;
+  // Above the 48 KB default: an attribute, not a stream operation, so legal while capturing.
+  K3_CUDA_CHECK(cudaFuncSetAttribute(mla_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     static_cast<int>(kSmemBytes)));
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.head_groups),
+                  static_cast<unsigned>(p.rows));
+  mla_split_kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+      q_abs, q_pe, cache, block_table, seq_len, selected, n_selected, p.heads, p.heads_per_group,
+      p.page_size, p.max_pages, p.max_sel, softmax_scale, ws_acc, ws_ml);
+  K3_CUDA_CHECK_LAUNCH();
+  const dim3 cgrid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.rows));
+  if (o_bf16)
+    mla_combine_kernel<true>
+        <<<cgrid, kKvLora / 4, 0, stream>>>(ws_acc, ws_ml, p.heads, p.splits, o_latent);
+  else
+    mla_combine_kernel<false>
+        <<<cgrid, kKvLora / 4, 0, stream>>>(ws_acc, ws_ml, p.heads, p.splits, o_latent);
+  K3_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,33 @@
+// Sigmoid router top-k on the GPU (spec 3.6), the selection and weights of cpu::route for one
+// expert group: s = sigmoid(logit); choose the top_k of s + bias (descending, ties to the lower
+// expert id); weight = s / (sum of the chosen s + 1e-20) if renormalize, times scaling.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace k3::cuda {
+
+struct RouterPlan {
+  int num_experts = 0;       // E, runtime (K3: 896; EP-local counts differ), <= 1024
+  int top_k = 0;             // <= 32 and <= E
+  int num_expert_group = 1;  // only 1 is supported; others are refused by check_router_plan
+  bool renormalize = true;
+  float routed_scaling_factor = 1.0f;
+};
+
+// Raises k3::Error for plans this kernel does not implement (E > 1024, top_k > 32,
+// num_expert_group != 1, ...). Called by router_topk; callers may call it once at plan time.
+void check_router_plan(const RouterPlan& p);
+
+// logits:  [rows][E] fp32, the router GEMM output (device)
+// bias:    [E] fp32 correction bias, or null (device)
+// ids:     [rows][top_k] int32 expert ids, best first (device)
+// weights: [rows][top_k] fp32 (device)
+// One warp per row, the row's choice scores in shared memory; no allocation, no host sync.
+// Non-finite logits are not checked here (cpu::route raises on them).
+void router_topk(const RouterPlan& plan, const float* logits, const float* bias, int64_t rows,
+                 int32_t* ids, float* weights, cudaStream_t stream);
+
+}  // namespace k3::cuda
