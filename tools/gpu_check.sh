@@ -45,6 +45,14 @@ echo "== k3_bench_ops $*" | tee -a "$log"
 "$bin_dir/k3_bench_ops" "$@" 2>&1 | tee "$out_dir/bench_ops.log" | tee -a "$log" >/dev/null
 bench_rc=${PIPESTATUS[0]}
 
+# KDA / MLA / router timings (optional binary: older carried builds may lack it).
+attn_rc=0
+if [ -x "$bin_dir/k3_bench_attn" ]; then
+  echo "== k3_bench_attn" | tee -a "$log"
+  "$bin_dir/k3_bench_attn" 2>&1 | tee "$out_dir/bench_attn.log" | tee -a "$log" >/dev/null
+  attn_rc=${PIPESTATUS[0]}
+fi
+
 # Summary: test verdict, failures, then the bench's own compact tables (printed last by it).
 {
   echo
@@ -63,6 +71,10 @@ bench_rc=${PIPESTATUS[0]}
     awk '/^kernel +shape/{p=1} p' "$out_dir/bench_ops.log"
   fi
   if [ "$bench_rc" -ne 0 ]; then tail -n 5 "$out_dir/bench_ops.log"; fi
+  if [ -f "$out_dir/bench_attn.log" ]; then
+    echo "k3_bench_attn: rc $attn_rc (full output: $out_dir/bench_attn.log)"
+    awk '/^kernel +shape/{p=1} p' "$out_dir/bench_attn.log"
+  fi
 } | tee -a "$log"
 
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ]
