@@ -21,6 +21,7 @@
 #include "cpu/ops_kda.h"
 #include "cuda/device_buffer.h"
 #include "cuda/kda_decode.h"
+#include "gpu/gpu_check_util.h"
 #include "model/config.h"
 #include "model/weight_matrix.h"
 #include "test_util.h"
@@ -28,12 +29,13 @@
 namespace k3 {
 namespace {
 
+using gpu_test::bf16_ulp;
+using gpu_test::expect_close;
+using gpu_test::rms;
+using gpu_test::Tol;
+
 // ---- Tolerances: |gpu - ref| <= ulps * ulp_bf16(|ref|) + rel * RMS(ref). The GPU sums the
 // column dots in a different order than the CPU loops; everything else is the same fp32 math.
-struct Tol {
-  double ulps;
-  double rel;
-};
 constexpr Tol kOut{1.0, 1e-3};        // bf16 out: one rounding flip + fp32 order noise
 constexpr Tol kStateF32{0.0, 1e-5};   // fp32 state carried 3 steps on each side
 constexpr Tol kStateBf16{1.0, 1e-6};  // bf16 state, each step from the same (GPU) input state
@@ -41,38 +43,6 @@ constexpr Tol kStateBf16{1.0, 1e-6};  // bf16 state, each step from the same (GP
 
 using cuda::bf16;
 using cuda::DeviceBuffer;
-
-double bf16_ulp(double v) {
-  v = std::fabs(v);
-  if (v < 0x1p-126) return 0x1p-133;
-  int e = 0;
-  std::frexp(v, &e);
-  return std::ldexp(1.0, e - 1 - 7);
-}
-
-double rms(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += static_cast<double>(x) * x;
-  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
-}
-
-void expect_close(const std::vector<float>& got, const std::vector<float>& ref, Tol tol,
-                  const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  const double scale = rms(ref);
-  int64_t bad = 0, first = -1;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double lim = tol.ulps * bf16_ulp(ref[i]) + tol.rel * scale;
-    const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
-    if (!std::isfinite(got[i]) || !(d <= lim)) {
-      if (first < 0) first = static_cast<int64_t>(i);
-      ++bad;
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance; first #"
-                    << first << " got " << (first >= 0 ? got[first] : 0.0f) << " ref "
-                    << (first >= 0 ? ref[first] : 0.0f);
-}
 
 std::vector<float> to_floats(const std::vector<uint16_t>& b) {
   std::vector<float> f(b.size());

@@ -23,17 +23,20 @@
 #include "cuda/device_buffer.h"
 #include "cuda/mla_decode.h"
 #include "cuda/router.h"
+#include "gpu/gpu_check_util.h"
 #include "model/weight_matrix.h"
 #include "test_util.h"
 
 namespace k3 {
 namespace {
 
+using gpu_test::bf16_ulp;
+using gpu_test::expect_close;
+using gpu_test::rms;
+using gpu_test::Tol;
+
 // ---- Tolerances: |gpu - ref| <= ulps * ulp_bf16(|ref|) + rel * RMS(ref), ref in float64 on the
 // same bf16 inputs. fp32 math over <= 4100 tokens x 576 terms stays near 1e-6 of the RMS. ----
-struct Tol {
-  double ulps, rel;
-};
 constexpr Tol kMlaF32Out{0.0, 1e-5};
 constexpr Tol kMlaBf16Out{1.0, 1e-6};      // one rounding of an fp32 value already close
 constexpr double kRouterWeightRel = 1e-6;  // expf vs std::exp: a few ulps of each weight
@@ -41,33 +44,6 @@ constexpr double kRouterTieGap = 1e-6;     // closer choice scores are redrawn
 
 using cuda::bf16;
 using cuda::DeviceBuffer;
-
-double bf16_ulp(double v) {
-  v = std::fabs(v);
-  if (v < 0x1p-126) return 0x1p-133;
-  int e = 0;
-  std::frexp(v, &e);
-  return std::ldexp(1.0, e - 1 - 7);
-}
-
-void expect_close(const std::vector<float>& got, const std::vector<double>& ref, Tol tol,
-                  const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  double ss = 0;
-  for (double r : ref) ss += r * r;
-  const double scale = ref.empty() ? 0.0 : std::sqrt(ss / static_cast<double>(ref.size()));
-  int64_t bad = 0, first = -1;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double lim = tol.ulps * bf16_ulp(ref[i]) + tol.rel * scale;
-    if (!std::isfinite(got[i]) || !(std::fabs(got[i] - ref[i]) <= lim)) {
-      if (first < 0) first = static_cast<int64_t>(i);
-      ++bad;
-    }
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance; first #"
-                    << first << " got " << (first >= 0 ? got[first] : 0.0f) << " ref "
-                    << (first >= 0 ? ref[first] : 0.0);
-}
 
 int sm_count() {
   int dev = 0, n = 0;

@@ -25,19 +25,21 @@
 #include "cuda/linear_bf16.h"
 #include "cuda/linear_mxfp4.h"
 #include "cuda/rms_norm.h"
+#include "gpu/gpu_check_util.h"
 #include "model/weight_matrix.h"
 #include "test_util.h"
 
 namespace k3 {
 namespace {
 
+using gpu_test::bf16_ulp;
+using gpu_test::expect_close;
+using gpu_test::rms;
+using gpu_test::Tol;
+
 // ---- Tolerances: |gpu - ref| <= ulps * ulp_bf16(|ref|) + rel * scale, ref the CPU oracle on
 // the same bf16-valued inputs, rounded to bf16 where the GPU stores bf16. `scale` is the RMS of
 // the reference output (a cancellation guard: a bug moves elements by O(scale)). ----
-struct Tol {
-  double ulps;  // bf16 ulps of |ref| (summation order flips at most one rounding)
-  double rel;   // times the RMS of the reference output
-};
 constexpr Tol kGemmBf16Out{1.0, 1e-3};  // bf16 and MXFP4 (exact dequantization) GEMMs
 constexpr Tol kGemmF32Out{0.0, 1e-4};   // fp32 y: only the k order differs
 constexpr Tol kRmsNorm{1.0, 1e-6};
@@ -49,41 +51,7 @@ constexpr Tol kGlu{1.0, 1e-6};
 using cuda::bf16;
 using cuda::DeviceBuffer;
 
-double bf16_ulp(double v) {
-  v = std::fabs(v);
-  if (v < 0x1p-126) return 0x1p-133;
-  int e = 0;
-  std::frexp(v, &e);  // v = f * 2^e, f in [0.5, 1)
-  return std::ldexp(1.0, e - 1 - 7);
-}
-
-double rms(const std::vector<float>& v) {
-  double s = 0;
-  for (float x : v) s += static_cast<double>(x) * x;
-  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
-}
-
 // Every got[i] finite and within tol of ref[i].
-void expect_close(const std::vector<float>& got, const std::vector<float>& ref, Tol tol,
-                  const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  const double scale = rms(ref);
-  int64_t bad = 0, first = -1;
-  double worst = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    const double lim = tol.ulps * bf16_ulp(ref[i]) + tol.rel * scale;
-    const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
-    if (!std::isfinite(got[i]) || !(d <= lim)) {
-      if (first < 0) first = static_cast<int64_t>(i);
-      ++bad;
-    }
-    if (std::isfinite(d)) worst = std::max(worst, d / (lim > 0 ? lim : 1.0));
-  }
-  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance; first #"
-                    << first << " got " << (first >= 0 ? got[first] : 0.0f) << " ref "
-                    << (first >= 0 ? ref[first] : 0.0f) << " (worst err/limit " << worst << ")";
-}
-
 void expect_all_finite(const std::vector<float>& v, const std::string& what) {
   int64_t n = 0;
   for (float x : v) n += !std::isfinite(x);

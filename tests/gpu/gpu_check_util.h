@@ -1,0 +1,54 @@
+// Comparison helpers shared by the GPU suites: tolerances in bf16 ulps of the reference plus a
+// fraction of its RMS, and a check that reports how many elements fail and the first of them.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace k3::gpu_test {
+
+struct Tol {
+  double ulps;  // bf16 ulps of |ref| (a summation-order change flips at most one rounding)
+  double rel;   // times the RMS of the reference
+};
+
+inline double bf16_ulp(double v) {
+  v = std::fabs(v);
+  if (v < 0x1p-126) return 0x1p-133;
+  int e = 0;
+  std::frexp(v, &e);  // v = f * 2^e, f in [0.5, 1)
+  return std::ldexp(1.0, e - 1 - 7);
+}
+
+template <typename R>
+double rms(const std::vector<R>& v) {
+  double s = 0;
+  for (R x : v) s += static_cast<double>(x) * static_cast<double>(x);
+  return v.empty() ? 0.0 : std::sqrt(s / static_cast<double>(v.size()));
+}
+
+// Every got[i] finite and within tol of ref[i] (float or double references).
+template <typename R>
+void expect_close(const std::vector<float>& got, const std::vector<R>& ref, Tol tol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  const double scale = rms(ref);
+  int64_t bad = 0, first = -1;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double r = static_cast<double>(ref[i]);
+    const double lim = tol.ulps * bf16_ulp(r) + tol.rel * scale;
+    if (!std::isfinite(got[i]) || !(std::fabs(static_cast<double>(got[i]) - r) <= lim)) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " outside tolerance; first #"
+                    << first << " got " << (first >= 0 ? got[first] : 0.0f) << " ref "
+                    << (first >= 0 ? static_cast<double>(ref[first]) : 0.0);
+}
+
+}  // namespace k3::gpu_test
