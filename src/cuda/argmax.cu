@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/cluster_launch.cuh"
 #include "cuda/device_util.cuh"
 
 namespace k3::cuda {
@@ -119,18 +120,9 @@ void launch(const float* logits, int64_t stride, int64_t rows, int64_t n, Id* id
   // About 8K logits per CTA before the row is split further (up to 8 CTAs).
   const int C = static_cast<int>(std::clamp<int64_t>((n + 8191) / 8192, 1, 8));
   K3_CHECK(rows * C <= 0x7fffffff, "cuda::argmax: too many rows ", rows);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows * C));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  K3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, argmax_kernel<Id>, logits, stride, n, ids, vec));
+  const detail::ClusterLaunch launch(dim3(static_cast<unsigned>(rows * C)), dim3(kThreads), 0,
+                                     stream, static_cast<unsigned>(C));
+  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, argmax_kernel<Id>, logits, stride, n, ids, vec));
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/cluster_launch.cuh"
 #include "cuda/device_util.cuh"
 
 namespace k3::cuda {
@@ -173,20 +174,12 @@ void attn_res_mix(const AttnResSources& sources, int n_sources, int64_t row_stri
            8 * kMaxThreads * 8, " this kernel holds in registers");
   K3_CHECK(rows * C <= 0x7fffffff, "cuda::attn_res_mix: too many rows ", rows);
 
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows * C));
-  cfg.blockDim = dim3(static_cast<unsigned>(T));
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(C);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  K3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, attn_res_kernel, sources, n_sources, row_stride, score_w,
-                                   static_cast<int>(hidden), eps, out, out_stride, probs, vec));
+  const detail::ClusterLaunch launch(dim3(static_cast<unsigned>(rows * C)),
+                                     dim3(static_cast<unsigned>(T)), 0, stream,
+                                     static_cast<unsigned>(C));
+  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, attn_res_kernel, sources, n_sources, row_stride,
+                                   score_w, static_cast<int>(hidden), eps, out, out_stride, probs,
+                                   vec));
 }
 
 void attn_res_mix(const __nv_bfloat16* bank, int n_sources, int64_t source_stride,

@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/cluster_launch.cuh"
 #include "cuda/linear_fallback.cuh"
 #include "cuda/linear_plan.h"
 #include "cuda/skinny_gemm.cuh"
@@ -113,21 +114,11 @@ void launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
   a.x_bytes = static_cast<int>(p.x_bytes);
   const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt);
   allow_max_smem(reinterpret_cast<const void*>(fn));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()), static_cast<unsigned>(p.groups));
-  cfg.blockDim = dim3(static_cast<unsigned>(p.threads()));
-  cfg.dynamicSmemBytes = p.smem_bytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  if (p.ck > 1) {
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = static_cast<unsigned>(p.ck);
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-  }
-  K3_CUDA_CHECK(cudaLaunchKernelEx(&cfg, fn, a));
+  const ClusterLaunch launch(
+      dim3(static_cast<unsigned>(p.grid_x()), static_cast<unsigned>(p.groups)),
+      dim3(static_cast<unsigned>(p.threads())), p.smem_bytes, stream,
+      static_cast<unsigned>(p.ck > 1 ? p.ck : 0));
+  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, fn, a));
 }
 
 }  // namespace k3::cuda::detail
