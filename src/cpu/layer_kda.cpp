@@ -8,6 +8,14 @@ namespace k3::cpu {
 
 void kda_attention(const ModelConfig& cfg, const KdaWeights& w, const Numerics& num,
                    KdaLayerState& state, const float* x, float* out) {
+  std::vector<float> gated(static_cast<size_t>(cfg.kda_proj_dim()));  // [heads * head_dim]
+  kda_attention_core(cfg, w, num, state, x, gated.data());
+  linear(w.o_proj, gated.data(), out);
+  num.round(out, static_cast<size_t>(cfg.hidden_size));
+}
+
+void kda_attention_core(const ModelConfig& cfg, const KdaWeights& w, const Numerics& num,
+                        KdaLayerState& state, const float* x, float* gated) {
   const auto& la = cfg.linear_attn_config;
   const int heads = la.num_heads, D = la.head_dim, K = la.short_conv_kernel_size;
   const int64_t P = cfg.kda_proj_dim();
@@ -57,7 +65,7 @@ void kda_attention(const ModelConfig& cfg, const KdaWeights& w, const Numerics& 
                       1.0f / std::sqrt(static_cast<float>(D)), o.data());
   state.recurrent.store(S.data());
 
-  // Output gate (full rank or low rank), gated RMSNorm, o_proj.
+  // Output gate (full rank or low rank), gated RMSNorm (the o_proj input).
   std::vector<float> z(Pz);
   if (!w.g_proj.empty()) {
     linear(w.g_proj, x, z.data());
@@ -68,11 +76,8 @@ void kda_attention(const ModelConfig& cfg, const KdaWeights& w, const Numerics& 
     linear(w.g_b, ga.data(), z.data());
   }
   num.round(z);
-  std::vector<float> gated(Pz);
-  kda_gated_norm(o.data(), z.data(), w.o_norm.data(), heads, D, cfg.rms_norm_eps, gated.data());
-  num.round(gated);
-  linear(w.o_proj, gated.data(), out);
-  num.round(out, static_cast<size_t>(cfg.hidden_size));
+  kda_gated_norm(o.data(), z.data(), w.o_norm.data(), heads, D, cfg.rms_norm_eps, gated);
+  num.round(gated, Pz);
 }
 
 }  // namespace k3::cpu
