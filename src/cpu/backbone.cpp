@@ -1,5 +1,6 @@
 #include "cpu/backbone.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -48,7 +49,17 @@ DecodeState CpuBackbone::new_state() const {
 
 void CpuBackbone::step(DecodeState& st, int64_t token, float* logits,
                        const LayerObserver& observe) const {
-  K3_CHECK(token >= 0 && token < cfg_.vocab_size, "token id ", token,
+  run_step(st, token, nullptr, logits, nullptr, observe);
+}
+
+void CpuBackbone::step_hidden(DecodeState& st, int64_t token, float* logits, float* hidden_out,
+                              const float* input) const {
+  run_step(st, token, input, logits, hidden_out, {});
+}
+
+void CpuBackbone::run_step(DecodeState& st, int64_t token, const float* input, float* logits,
+                           float* hidden_out, const LayerObserver& observe) const {
+  K3_CHECK(input || (token >= 0 && token < cfg_.vocab_size), "token id ", token,
            " is outside the vocabulary [0, ", cfg_.vocab_size, ")");
   K3_CHECK(st.position < max_context_, "context length ", max_context_, " exceeded");
   K3_CHECK(static_cast<int>(st.kda.size()) == cfg_.num_hidden_layers,
@@ -57,7 +68,10 @@ void CpuBackbone::step(DecodeState& st, int64_t token, float* logits,
   const float eps = cfg_.rms_norm_eps;
 
   std::vector<float> P(H), h(H), x(H), sub(H);
-  w_.embed.row_to_float(token, P.data());
+  if (input)
+    P.assign(input, input + H);
+  else
+    w_.embed.row_to_float(token, P.data());
   ResidualBank bank(H);
 
   for (int l = 0; l < cfg_.num_hidden_layers; ++l) {
@@ -102,6 +116,7 @@ void CpuBackbone::step(DecodeState& st, int64_t token, float* logits,
     h = P;
   rms_norm(h.data(), w_.final_norm.data(), cfg_.hidden_size, eps, x.data());
   num_.round(x);
+  if (hidden_out) std::copy(x.begin(), x.end(), hidden_out);
   linear(w_.lm_head, x.data(), logits);
   ++st.position;
 }

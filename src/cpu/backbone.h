@@ -27,6 +27,11 @@ class CpuBackbone {
   // Consumes one token at state.position; writes logits[vocab_size] (fp32).
   void step(DecodeState& state, int64_t token, float* logits,
             const LayerObserver& observe = {}) const;
+  // As step, for speculative decoding: also writes the final-normed hidden state (the lm_head
+  // input) to hidden_out[hidden_size] when set; the layer input is `input` ([hidden_size] fp32,
+  // e.g. a draft model's fused input) instead of the token's embedding row when set.
+  void step_hidden(DecodeState& state, int64_t token, float* logits, float* hidden_out,
+                   const float* input = nullptr) const;
   // Feeds tokens in order; returns the logits after the last one.
   std::vector<float> prefill(DecodeState& state, const std::vector<int64_t>& tokens) const;
 
@@ -34,6 +39,9 @@ class CpuBackbone {
   int64_t max_context() const { return max_context_; }
 
  private:
+  void run_step(DecodeState& state, int64_t token, const float* input, float* logits,
+                float* hidden_out, const LayerObserver& observe) const;
+
   const ModelConfig& cfg_;
   const ModelWeights& w_;
   StateDtypes dtypes_;

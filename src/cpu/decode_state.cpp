@@ -70,6 +70,25 @@ void DecodeState::reset() {
   }
 }
 
+void DecodeState::truncate(int64_t new_position) {
+  K3_CHECK(new_position >= 0 && new_position <= position, "truncate to ", new_position,
+           " outside the context [0, ", position, "]");
+  if (new_position == position) return;
+  // Every MLA cache vector holds the same number of values per token, so its per-token width
+  // follows from its size; this keeps truncation independent of the cache's layout.
+  const auto cut = [&](auto& v) {
+    K3_CHECK(v.size() % static_cast<size_t>(position) == 0,
+             "decode state: a cache does not hold whole tokens");
+    v.resize(v.size() / static_cast<size_t>(position) * static_cast<size_t>(new_position));
+  };
+  for (auto& m : mla) {
+    cut(m.latent);
+    cut(m.index_keys);
+    cut(m.index_scales);
+  }
+  position = new_position;
+}
+
 float round_to(DType t, float v) {
   switch (t) {
     case DType::F32:
@@ -93,8 +112,8 @@ DecodeState make_decode_state(const ModelConfig& cfg, const StateDtypes& dt) {
   const size_t P = static_cast<size_t>(cfg.kda_proj_dim());
   for (int l = 0; l < cfg.num_hidden_layers; ++l) {
     if (cfg.layer_kind(l) != LayerKind::KDA) {
-      round_to(dt.latent, 0.0f);  // validates the dtype
-      s.mla[static_cast<size_t>(l)].latent_dtype = dt.latent;
+      latent_entry_bytes(dt.latent_format, cfg.kv_lora_rank, cfg.qk_rope_head_dim);  // validates
+      s.mla[static_cast<size_t>(l)].latent_format = dt.latent_format;
       continue;
     }
     auto& k = s.kda[static_cast<size_t>(l)];

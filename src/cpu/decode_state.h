@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "cpu/latent_format.h"
 #include "model/config.h"
 
 namespace k3::cpu {
@@ -34,9 +35,9 @@ struct KdaLayerState {
 };
 
 struct MlaLayerState {
-  // [T][kv_lora + rope]: normed c, then raw k_pe; each value rounded to latent_dtype when
-  // appended, so it holds exactly what a cache of that dtype holds.
-  DType latent_dtype = DType::BF16;
+  // [T][kv_lora + rope]: normed c, then raw k_pe; each row round-tripped through
+  // latent_format (cpu/latent_format.h) when appended, so it holds exactly what that cache holds.
+  LatentFormat latent_format = LatentFormat::BF16;
   std::vector<float> latent;
   std::vector<uint8_t> index_keys;  // [T][index_head_dim] fp8 e4m3 (DSA only)
   std::vector<float> index_scales;  // [T][index_head_dim / 128 (at least 1)] fp32 (DSA only)
@@ -49,14 +50,27 @@ struct DecodeState {
 
   // Back to an empty context, keeping the allocations (a slot reused by a new request).
   void reset();
+  // Speculative decoding: drops the MLA latent / DSA index-key entries of every token at or
+  // after `new_position` and rolls `position` back to it. KDA state cannot be rolled back this
+  // way (it is a recurrence); restore a KdaSnapshot taken after token new_position - 1.
+  void truncate(int64_t new_position);
+};
+
+// What one token changes in the KDA layers (recurrent + conv state of every KDA layer), taken
+// after a verify row so that a partial acceptance commits it instead of recomputing.
+struct KdaSnapshot {
+  std::vector<KdaLayerState> kda;  // [num_hidden_layers], as DecodeState::kda
+  static KdaSnapshot capture(const DecodeState& s) { return {s.kda}; }
+  void capture_into(const DecodeState& s) { kda = s.kda; }  // reuses this snapshot's buffers
+  void restore(DecodeState& s) const { s.kda = kda; }
 };
 
 // Storage dtypes of the decode state: KDA conv and recurrent state (from kda_dtypes()) and the
-// MLA latent cache (bf16 for kv_cache_dtype auto / bfloat16; F32 only for fp32 reference runs).
+// MLA latent cache format (from the deploy kv_cache_dtype; F32 only for fp32 reference runs).
 struct StateDtypes {
   DType conv = DType::BF16;
   DType recurrent = DType::F32;
-  DType latent = DType::BF16;
+  LatentFormat latent_format = LatentFormat::BF16;  // latent_format_of(kv_cache_dtype)
 };
 
 DecodeState make_decode_state(const ModelConfig& cfg, const StateDtypes& dtypes);

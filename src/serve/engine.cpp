@@ -4,6 +4,9 @@
 #include <cstdio>
 
 #include "serve/stop_matcher.h"
+#include "spec/draft_model.h"
+#include "spec/drafter.h"
+#include "spec/rejection.h"
 
 namespace k3::serve {
 
@@ -21,6 +24,14 @@ struct Engine::Seq {
   int64_t next_token = -1;  // sampled last step, fed next step
   int64_t generated = 0;
   bool done = false;
+  // Speculative decoding: the drafter, the context it reads (prompt + generated), this step's
+  // verify row (last token + drafts) and the stream for acceptance / residual draws.
+  std::unique_ptr<spec::Drafter> drafter;
+  std::vector<int64_t> context;
+  spec::DraftTokens drafts;
+  std::vector<int64_t> verify_tokens;
+  std::vector<float> hidden;  // [rows][hidden] of this step, when the drafter reads them
+  Rng spec_rng{req.sampling.seed ^ 0x5bd1e995u};
   Clock::time_point arrival = Clock::now(), first_token, last_token;
 };
 
@@ -71,12 +82,21 @@ Engine::Engine(std::unique_ptr<StepBackend> backend, std::shared_ptr<const TextC
   // Decode rows take one token each; the rest of the budget must fit at least one prompt token.
   K3_CHECK(opt_.max_num_batched_tokens >= opt_.max_num_seqs, "max_num_batched_tokens (",
            opt_.max_num_batched_tokens, ") must be >= max_num_seqs (", opt_.max_num_seqs, ")");
+  const int n_spec = opt_.speculative.num_speculative_tokens;
+  K3_CHECK(n_spec >= 0, "num_speculative_tokens must be >= 0, got ", n_spec);
+  if (n_spec > 0) {
+    K3_CHECK(backend_->supports_verify(), "speculative decoding is not supported by this backend");
+    // An unknown method or a missing draft model fails here, not per request.
+    spec::make_drafter(opt_.speculative, opt_.draft_model.get());
+  }
   // The slot pool is allocated once; requests reuse it (reset), never grow it.
   for (int i = 0; i < opt_.max_num_seqs; ++i) {
     slots_.push_back(backend_->new_state());
     free_slots_.push_back(opt_.max_num_seqs - 1 - i);  // pop_back hands out slot 0 first
   }
-  logits_.resize(static_cast<size_t>(opt_.max_num_seqs * backend_->vocab_size()));
+  // A row's logits take [q][vocab] for a verify row; q = 1 without speculation.
+  logits_.resize(static_cast<size_t>(opt_.max_num_seqs) * static_cast<size_t>(1 + n_spec) *
+                 static_cast<size_t>(backend_->vocab_size()));
   publish_queue();
   thread_ = std::thread([this] { loop(); });
 }
@@ -136,6 +156,10 @@ void Engine::admit() {
     s->slot = free_slots_.back();
     free_slots_.pop_back();
     slots_[static_cast<size_t>(s->slot)]->reset();  // no state from the previous owner
+    if (opt_.speculative.num_speculative_tokens > 0) {
+      s->drafter = spec::make_drafter(opt_.speculative, opt_.draft_model.get(), s->req.sampling);
+      s->context = s->req.prompt;
+    }
     metrics_.add_prompt_tokens(static_cast<int64_t>(s->req.prompt.size()));
     running_.push_back(std::move(s));
   }
@@ -176,15 +200,48 @@ void Engine::loop() {
 
 void Engine::step() {
   const int64_t vocab = backend_->vocab_size();
+  const auto row_logits = static_cast<size_t>(1 + opt_.speculative.num_speculative_tokens) *
+                          static_cast<size_t>(vocab);  // logits_ per row
   std::vector<StepRow> rows;
   std::vector<Seq*> owners;  // rows[i] belongs to owners[i]
+  std::vector<VerifyRow> vrows;
+  std::vector<Seq*> vowners;  // vrows[i] belongs to vowners[i]
   int64_t budget = opt_.max_num_batched_tokens;
-  // Decode rows first: a long prompt must not stall requests that are already streaming.
+  int64_t decoders = 0;
+  for (auto& s : running_)
+    if (s->prefilled == s->req.prompt.size()) ++decoders;
+  // Decode rows first: a long prompt must not stall requests that are already streaming. With
+  // speculation, a request with drafts verifies 1 + drafts tokens; drafts only use budget that
+  // leaves every later decode row its one token, and never run past max_tokens.
   for (auto& s : running_) {
     if (s->prefilled < s->req.prompt.size()) continue;
-    rows.push_back({slots_[static_cast<size_t>(s->slot)].get(), {&s->next_token, 1}, nullptr});
-    owners.push_back(s.get());
-    --budget;
+    SlotState* state = slots_[static_cast<size_t>(s->slot)].get();
+    s->drafts = {};
+    if (s->drafter) {
+      const int64_t room = std::min<int64_t>(
+          {opt_.speculative.num_speculative_tokens, s->req.max_tokens - s->generated - 1,
+           budget - decoders});
+      try {
+        if (room > 0) s->drafts = s->drafter->propose(s->context, static_cast<int>(room));
+      } catch (const std::exception& e) {
+        --decoders;
+        finish(*s, "error", e.what());
+        continue;
+      }
+    }
+    --decoders;
+    if (s->drafts.tokens.empty()) {
+      rows.push_back({state, {&s->next_token, 1}, nullptr});
+      owners.push_back(s.get());
+      --budget;
+      continue;
+    }
+    s->verify_tokens.assign(1, s->next_token);
+    s->verify_tokens.insert(s->verify_tokens.end(), s->drafts.tokens.begin(),
+                            s->drafts.tokens.end());
+    vrows.push_back({state, s->verify_tokens, nullptr});
+    vowners.push_back(s.get());
+    budget -= static_cast<int64_t>(s->verify_tokens.size());
   }
   for (auto& s : running_) {
     const size_t left = s->req.prompt.size() - s->prefilled;
@@ -200,15 +257,35 @@ void Engine::step() {
   // Logits only where a token gets sampled: decode rows and prompt chunks that end the prompt.
   for (size_t i = 0; i < rows.size(); ++i)
     if (owners[i]->prefilled == owners[i]->req.prompt.size())
-      rows[i].logits = logits_.data() + i * static_cast<size_t>(vocab);
+      rows[i].logits = logits_.data() + i * row_logits;
+  for (size_t i = 0; i < vrows.size(); ++i)
+    vrows[i].logits = logits_.data() + (rows.size() + i) * row_logits;
+  // A draft model reads the target's hidden state after every token the target keeps.
+  const auto H = static_cast<size_t>(backend_->config().hidden_size);
+  const auto wants_hidden = [](const Seq* s) { return s->drafter && s->drafter->needs_hidden(); };
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (wants_hidden(owners[i])) {
+      owners[i]->hidden.resize(rows[i].tokens.size() * H);
+      rows[i].hidden = owners[i]->hidden.data();
+    }
+  for (size_t i = 0; i < vrows.size(); ++i)
+    if (wants_hidden(vowners[i])) {
+      vowners[i]->hidden.resize(vrows[i].tokens.size() * H);
+      vrows[i].hidden = vowners[i]->hidden.data();
+    }
   try {
-    backend_->forward(rows);
+    if (!rows.empty()) backend_->forward(rows);
+    if (!vrows.empty()) backend_->verify(vrows);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "k3 serve: step failed for %zu requests: %s\n", rows.size(), e.what());
+    std::fprintf(stderr, "k3 serve: step failed for %zu requests: %s\n",
+                 rows.size() + vrows.size(), e.what());
     for (Seq* s : owners) finish(*s, "error", e.what());
+    for (Seq* s : vowners) finish(*s, "error", e.what());
     return;
   }
   for (size_t i = 0; i < rows.size(); ++i) {
+    if (rows[i].hidden)
+      owners[i]->drafter->observe(rows[i].hidden, static_cast<int64_t>(rows[i].tokens.size()));
     if (!rows[i].logits) continue;
     Seq& s = *owners[i];
     try {
@@ -216,6 +293,28 @@ void Engine::step() {
     } catch (const std::exception& e) {
       finish(s, "error", e.what());
     }
+  }
+  for (size_t i = 0; i < vrows.size(); ++i) {
+    Seq& s = *vowners[i];
+    try {
+      accept_verified(s, vrows[i].logits);
+    } catch (const std::exception& e) {
+      finish(s, "error", e.what());
+    }
+  }
+}
+
+void Engine::accept_verified(Seq& s, const float* logits) {
+  // logits: [1 + drafts][vocab] fp32.
+  const spec::Verdict v = spec::rejection_sample(logits, backend_->vocab_size(), s.req.sampling,
+                                                 s.drafts, s.spec_rng);
+  backend_->commit(*slots_[static_cast<size_t>(s.slot)], 1 + v.accepted);
+  if (s.drafter->needs_hidden()) s.drafter->observe(s.hidden.data(), 1 + v.accepted);
+  metrics_.add_spec_decode(static_cast<int64_t>(s.drafts.tokens.size()), v.accepted);
+  // Stop conditions apply token by token: the rest of an accepted run after a stop is dropped.
+  for (int64_t tok : v.tokens) {
+    on_token(s, tok);
+    if (s.done) break;
   }
 }
 
@@ -227,6 +326,7 @@ void Engine::on_token(Seq& s, int64_t tok) {
   }
   s.last_token = now;
   metrics_.add_generation_tokens(1);
+  if (s.drafter) s.context.push_back(tok);
   const auto has = [tok](const std::vector<int64_t>& v) {
     return std::find(v.begin(), v.end(), tok) != v.end();
   };

@@ -18,9 +18,14 @@
 
 #include "core/error.h"
 #include "cpu/sampling.h"
+#include "runtime/deploy_config.h"
 #include "serve/metrics.h"
 #include "serve/step_backend.h"
 #include "serve/text_codec.h"
+
+namespace k3::spec {
+class DraftModel;
+}
 
 namespace k3::serve {
 
@@ -28,6 +33,11 @@ struct EngineOptions {
   int max_num_seqs = 16;             // decode slots (the batch)
   int max_waiting = 256;             // queued requests beyond the free slots before refusing
   int max_num_batched_tokens = 256;  // tokens per step: decode rows first, then prompt chunks
+  // num_speculative_tokens > 0: decode rows become verify rows of 1 + drafts tokens (the backend
+  // must support verify); drafts are cut to fit the step's token budget.
+  SpeculativeConfig speculative = {};
+  // The loaded speculative_config.model for method draft_model (shared by every request).
+  std::shared_ptr<const spec::DraftModel> draft_model = nullptr;
 };
 
 struct GenerationRequest {
@@ -102,6 +112,7 @@ class Engine {
   void admit();  // under mu_
   void step();   // one batched forward over the running requests
   void on_token(Seq& s, int64_t token);
+  void accept_verified(Seq& s, const float* logits);  // logits: [q][vocab] of its verify row
   void finish(Seq& s, const std::string& reason, const std::string& error = {});
   void emit(Seq& s, const std::string& text);
   void publish_queue();  // under mu_

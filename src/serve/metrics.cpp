@@ -116,6 +116,12 @@ void Metrics::add_finished(std::string_view reason) {
   if (it == finished_.end()) it = finished_.emplace(std::string(reason), 0).first;
   ++it->second;
 }
+void Metrics::add_spec_decode(int64_t draft_tokens, int64_t accepted) {
+  std::lock_guard lock(mu_);
+  ++spec_drafts_;
+  spec_draft_tokens_ += static_cast<uint64_t>(draft_tokens);
+  spec_accepted_ += static_cast<uint64_t>(accepted);
+}
 int64_t Metrics::running() const {
   std::lock_guard lock(mu_);
   return running_;
@@ -137,6 +143,15 @@ std::string Metrics::render() const {
   count(out, "k3_prompt_tokens_total", prompt_tokens_);
   header(out, "k3_generation_tokens_total", "counter", "Tokens generated.");
   count(out, "k3_generation_tokens_total", generation_tokens_);
+  // Mean acceptance length = 1 + accepted / drafts; acceptance rate = accepted / draft tokens.
+  header(out, "k3_spec_decode_num_drafts_total", "counter",
+         "Speculative verify steps that carried drafted tokens.");
+  count(out, "k3_spec_decode_num_drafts_total", spec_drafts_);
+  header(out, "k3_spec_decode_num_draft_tokens_total", "counter", "Drafted tokens verified.");
+  count(out, "k3_spec_decode_num_draft_tokens_total", spec_draft_tokens_);
+  header(out, "k3_spec_decode_num_accepted_tokens_total", "counter",
+         "Drafted tokens accepted by verification.");
+  count(out, "k3_spec_decode_num_accepted_tokens_total", spec_accepted_);
   header(out, "k3_requests_running", "gauge", "Requests in the decode batch.");
   out.append("k3_requests_running ").append(std::to_string(running_)).append("\n");
   header(out, "k3_requests_waiting", "gauge", "Requests queued for a decode slot.");

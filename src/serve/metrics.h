@@ -37,6 +37,9 @@ class Metrics {
   void set_queue(int64_t running, int64_t waiting);
   // finished_reason: stop | length | abort | error
   void add_finished(std::string_view finished_reason);
+  // Speculative decoding, per verify step with drafts: one draft of `draft_tokens` tokens, of
+  // which `accepted` were accepted (vLLM's spec_decode_num_* counters).
+  void add_spec_decode(int64_t draft_tokens, int64_t accepted);
 
   std::string render() const;
   int64_t running() const;
@@ -45,6 +48,7 @@ class Metrics {
   mutable std::mutex mu_;
   Histogram ttft_, tpot_, e2e_;
   uint64_t prompt_tokens_ = 0, generation_tokens_ = 0;
+  uint64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_ = 0;
   int64_t running_ = 0, waiting_ = 0;
   std::map<std::string, uint64_t, std::less<>> finished_;
 };

@@ -159,6 +159,18 @@ ModelConfig kimi_linear_tiny() {
   return c;
 }
 
+// The body of a tiny speculative draft checkpoint for the tiny K3 presets (src/spec/draft_model.h):
+// two dense MLA layers of the target's width and vocabulary, no KDA, no MoE. Its draft head
+// (the fusion of token embedding and target hidden state) is written by the spec module.
+ModelConfig k3_tiny_draft() {
+  ModelConfig c = k3_tiny();
+  c.num_hidden_layers = 2;
+  c.linear_attn_config.kda_layers.clear();
+  c.linear_attn_config.full_attn_layers = {1, 2};
+  c.first_k_dense_replace = 2;
+  return c;
+}
+
 struct Preset {
   const char* name;
   ModelConfig (*make)();
@@ -173,6 +185,7 @@ const Preset kPresets[] = {
        return c;
      }},
     {"tiny-kimi-linear", kimi_linear_tiny},
+    {"tiny-draft", k3_tiny_draft},
     {"k3", k3_full},
     {"k3.1",
      [] {

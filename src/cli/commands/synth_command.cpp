@@ -4,6 +4,7 @@
 #include "cli/commands/commands.h"
 #include "core/error.h"
 #include "core/progress.h"
+#include "spec/draft_model.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
 
@@ -49,6 +50,7 @@ void register_synth(CLI::App& app) {
     so.progress = !o->no_progress && stderr_is_tty();
     so.threads = o->threads;
     synthesize_checkpoint(cfg, o->out, so);
+    if (o->preset == "tiny-draft") spec::synthesize_draft_head(cfg, o->out, o->seed);
   });
 }
 
