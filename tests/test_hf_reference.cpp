@@ -52,8 +52,8 @@ TEST(HfReference, TinyKimiLinearLogitsMatchTransformers) {
   // fp32 throughout, like the reference run: no bf16 activations, an fp32 latent cache.
   cpu::Numerics fp32;
   fp32.bf16_activations = false;
-  const cpu::CpuBackbone b(model->config, model->weights, {DType::F32, DType::F32, DType::F32},
-                           fp32);
+  const cpu::CpuBackbone b(model->config, model->weights,
+                           {DType::F32, DType::F32, cpu::LatentFormat::F32}, fp32);
   cpu::DecodeState st = b.new_state();
   std::vector<float> logits(static_cast<size_t>(model->config.vocab_size));
   const auto& tokens = fixture["tokens"];

@@ -27,11 +27,12 @@ void expect_refusal(const std::string& args, const std::string& message) {
 }
 
 TEST(ServeCli, RefusesWhatThisBuildCannotServe) {
-  expect_refusal(R"(--speculative-config '{"method": "ngram", "num_speculative_tokens": 2}')",
-                 "speculative decoding is not implemented yet");
+  expect_refusal(
+      R"(--speculative-config '{"method": "ngram", "num_speculative_tokens": 2, )"
+      R"("prompt_lookup_min": 3, "prompt_lookup_max": 2}')",
+      "prompt_lookup_min/prompt_lookup_max must satisfy");
   expect_refusal(R"(--additional-config '{"decode_backend": "latency_specialized"}')",
                  "latency_specialized");
-  expect_refusal("--kv-cache-dtype fp8", "kv_cache_dtype fp8 is not implemented");
   expect_refusal(R"(--additional-config '{"nonsense": 1}')", "nonsense");
   expect_refusal("--additional-config '{oops'", "--additional-config is not valid JSON");
   expect_refusal(R"(--additional-config '{"max_num_seqs": 4}' --max-num-seqs 8)", "contradicts");

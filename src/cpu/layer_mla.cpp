@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -66,36 +67,68 @@ std::vector<int64_t> dsa_select(const ModelConfig& cfg, const DsaIndexerWeights&
 
 }  // namespace
 
-void mla_attention(const ModelConfig& cfg, const MlaWeights& w, const Numerics& num,
-                   MlaLayerState& st, const float* x, float* out) {
-  const int heads = cfg.num_attention_heads, nope = cfg.qk_nope_head_dim;
-  const int rope = cfg.qk_rope_head_dim, vd = cfg.v_head_dim, kvl = cfg.kv_lora_rank;
-  const int qhd = nope + rope;
-
-  // Queries: q LoRA (K3) or a plain q_proj (Kimi-Linear).
-  std::vector<float> r;  // [q_lora] normed q latent (also the DSA indexer's input)
-  std::vector<float> q(static_cast<size_t>(heads * qhd));  // [heads][nope + rope]
+void mla_queries(const ModelConfig& cfg, const MlaWeights& w, const Numerics& num, const float* x,
+                 std::vector<float>& r, float* q) {
+  // Queries: q LoRA (K3) or a plain q_proj (Kimi-Linear). q: [heads][nope + rope].
+  const size_t nq = static_cast<size_t>(w.q_a.empty() ? w.q_proj.rows : w.q_b.rows);
+  r.clear();
   if (!w.q_a.empty()) {
     r.resize(static_cast<size_t>(w.q_a.rows));
     linear(w.q_a, x, r.data());
     num.round(r);
     rms_norm(r.data(), w.q_a_norm.data(), w.q_a.rows, ModelConfig::kMlaLatentNormEps, r.data());
     num.round(r);
-    linear(w.q_b, r.data(), q.data());
+    linear(w.q_b, r.data(), q);
   } else {
-    linear(w.q_proj, x, q.data());
+    linear(w.q_proj, x, q);
   }
-  num.round(q);
+  num.round(q, nq);
+}
+
+void mla_cache_entry(const ModelConfig& cfg, const MlaWeights& w, const Numerics& num,
+                     const float* x, float* kv) {
+  // kv: [kv_lora + rope], this token's normed latent c and the unrotated k_pe (before the
+  // cache format's round trip).
+  linear(w.kv_a, x, kv);
+  num.round(kv, static_cast<size_t>(w.kv_a.rows));
+  rms_norm(kv, w.kv_a_norm.data(), cfg.kv_lora_rank, ModelConfig::kMlaLatentNormEps, kv);
+}
+
+void mla_output_gate(const MlaWeights& w, const Numerics& num, const float* x, float* o) {
+  // Sigmoid output gate on the normed layer input; o: [heads * v], g_proj: [heads * v, H].
+  if (w.g_proj.empty()) return;
+  const size_t n = static_cast<size_t>(w.g_proj.rows);
+  std::vector<float> gate(n);
+  linear(w.g_proj, x, gate.data());
+  for (size_t i = 0; i < n; ++i) o[i] = num.round(o[i] * sigmoid(num.round(gate[i])));
+}
+
+void mla_attention(const ModelConfig& cfg, const MlaWeights& w, const Numerics& num,
+                   MlaLayerState& st, const float* x, float* out) {
+  std::vector<float> o(static_cast<size_t>(cfg.num_attention_heads * cfg.v_head_dim));
+  mla_attention_core(cfg, w, num, st, x, o.data());
+  linear(w.o_proj, o.data(), out);
+  num.round(out, static_cast<size_t>(cfg.hidden_size));
+}
+
+void mla_attention_core(const ModelConfig& cfg, const MlaWeights& w, const Numerics& num,
+                        MlaLayerState& st, const float* x, float* o_out) {
+  const int heads = cfg.num_attention_heads, nope = cfg.qk_nope_head_dim;
+  const int rope = cfg.qk_rope_head_dim, vd = cfg.v_head_dim, kvl = cfg.kv_lora_rank;
+  const int qhd = nope + rope;
+
+  std::vector<float> r;  // [q_lora] normed q latent (also the DSA indexer's input)
+  std::vector<float> q(static_cast<size_t>(heads * qhd));  // [heads][nope + rope]
+  mla_queries(cfg, w, num, x, r, q.data());
 
   // This token's cache entry: normed latent c and the unrotated k_pe.
   std::vector<float> kv(static_cast<size_t>(kvl + rope));
-  linear(w.kv_a, x, kv.data());
-  num.round(kv);
-  rms_norm(kv.data(), w.kv_a_norm.data(), kvl, ModelConfig::kMlaLatentNormEps, kv.data());
+  mla_cache_entry(cfg, w, num, x, kv.data());
   const size_t row = static_cast<size_t>(kvl + rope);
   const size_t base = st.latent.size();
   st.latent.resize(base + row);
-  for (size_t i = 0; i < row; ++i) st.latent[base + i] = round_to(st.latent_dtype, kv[i]);
+  std::copy(kv.begin(), kv.end(), st.latent.begin() + static_cast<std::ptrdiff_t>(base));
+  round_trip_latent_row(st.latent_format, st.latent.data() + base, kvl, rope);
   const int64_t T = static_cast<int64_t>(st.latent.size() / row);
 
   std::vector<int64_t> selected;
@@ -117,17 +150,12 @@ void mla_attention(const ModelConfig& cfg, const MlaWeights& w, const Numerics& 
   std::vector<float> o(static_cast<size_t>(heads * vd));  // [heads][v]
   mla_absorbed_decode(q_nope.data(), q_pe.data(), w.kv_b, cache_c.data(), cache_pe.data(), T,
                       w.indexer ? selected.data() : nullptr, static_cast<int64_t>(selected.size()),
-                      dims, 1.0f / std::sqrt(static_cast<float>(qhd)), o.data());
+                      dims, 1.0f / std::sqrt(static_cast<float>(qhd)), o.data(),
+                      num.bf16_activations);
   num.round(o);
 
-  // Sigmoid output gate on the normed layer input, then o_proj.
-  if (!w.g_proj.empty()) {
-    std::vector<float> gate(o.size());
-    linear(w.g_proj, x, gate.data());
-    for (size_t i = 0; i < o.size(); ++i) o[i] = num.round(o[i] * sigmoid(num.round(gate[i])));
-  }
-  linear(w.o_proj, o.data(), out);
-  num.round(out, static_cast<size_t>(cfg.hidden_size));
+  mla_output_gate(w, num, x, o.data());
+  std::copy(o.begin(), o.end(), o_out);
 }
 
 }  // namespace k3::cpu

@@ -7,9 +7,11 @@
 #include "cpu/ops_mla.h"
 
 #include <algorithm>
+#include <span>
 #include <vector>
 
 #include "core/error.h"
+#include "core/numeric.h"
 #include "cpu/ops_basic.h"
 
 namespace k3::cpu {
@@ -55,7 +57,7 @@ float dot(const float* a, const float* b, int64_t n) {
 void mla_absorbed_decode(const float* q_nope, const float* q_pe, const WeightMatrix& kv_b,
                          const float* cache_c, const float* cache_pe, int64_t T,
                          const int64_t* selected, int64_t n_selected, const MlaDims& d,
-                         float softmax_scale, float* out) {
+                         float softmax_scale, float* out, bool bf16_q_abs) {
   // q_nope: [heads][nope], q_pe: [heads][rope], kv_b: [heads*(nope+v), kv_lora],
   // cache_c: [T][kv_lora], cache_pe: [T][rope], selected: [n_selected] or null, out: [heads][v].
   const std::vector<int64_t> tokens = visible_tokens(kv_b, T, selected, n_selected, d);
@@ -77,6 +79,7 @@ void mla_absorbed_decode(const float* q_nope, const float* q_pe, const WeightMat
       for (int64_t j = 0; j < L; ++j)
         q_abs[static_cast<size_t>(j)] += w_row[static_cast<size_t>(j)] * qn[i];
     }
+    if (bf16_q_abs) round_bf16(std::span<float>(q_abs));
 
     // One KV head shared by all query heads: s_t = (q~ . c_t + q_pe . pe_t) * scale.
     for (int64_t k = 0; k < n; ++k) {

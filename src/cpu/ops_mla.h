@@ -24,10 +24,11 @@ struct MlaDims {
 //   selected: null for all T tokens, else n_selected token indices (DSA sparse attention).
 //   out: [heads][v].
 // Absorbed: q~ = W_uk^T q_nope; s_t = (q~.c_t + q_pe.pe_t) * scale; softmax; o = W_uv sum p c.
+// bf16_q_abs: q~ rounded to bf16, as the GPU stores it (the attention kernel's bf16 query).
 void mla_absorbed_decode(const float* q_nope, const float* q_pe, const WeightMatrix& kv_b,
                          const float* cache_c, const float* cache_pe, int64_t T,
                          const int64_t* selected, int64_t n_selected, const MlaDims& d,
-                         float softmax_scale, float* out);
+                         float softmax_scale, float* out, bool bf16_q_abs = false);
 
 // Materialised form: k_t[h] = [W_uk c_t ; pe_t], v_t[h] = W_uv c_t, plain softmax attention.
 void mla_naive_decode(const float* q_nope, const float* q_pe, const WeightMatrix& kv_b,
