@@ -18,6 +18,18 @@ void check_no_nan(const float* logits, int64_t n) {
     if (std::isnan(logits[i])) fail("sampling: logit ", i, " is NaN");
 }
 
+void check_params(const SamplingParams& p) {
+  if (!std::isfinite(p.temperature) || p.temperature < 0.0f)
+    fail("sampling: temperature must be finite and >= 0, got ", p.temperature);
+  // Written as a negated range test so that NaN is rejected too.
+  if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+    fail("sampling: top_p must be in (0, 1], got ", p.top_p);
+  if (p.top_k < 0) fail("sampling: top_k must be >= 0 (0 = off), got ", p.top_k);
+}
+
+// The pipeline after the checks (logits NaN-free, temperature > 0), with the draw u in [0, 1).
+int64_t sample_checked(const float* logits, int64_t vocab, const SamplingParams& p, double u01);
+
 }  // namespace
 
 int64_t argmax(const float* logits, int64_t n) {
@@ -30,29 +42,38 @@ int64_t argmax(const float* logits, int64_t n) {
   return best;
 }
 
-Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {
-  if (!std::isfinite(p.temperature) || p.temperature < 0.0f)
-    fail("sampling: temperature must be finite and >= 0, got ", p.temperature);
-  // Written as a negated range test so that NaN is rejected too.
-  if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
-    fail("sampling: top_p must be in (0, 1], got ", p.top_p);
-  if (p.top_k < 0) fail("sampling: top_k must be >= 0 (0 = off), got ", p.top_k);
-}
+Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) { check_params(p); }
 
 int64_t Sampler::sample(const float* logits, int64_t vocab) {
   // logits: [vocab] fp32.
   K3_CHECK(vocab > 0, "sampling over an empty vocabulary");
   check_no_nan(logits, vocab);
   if (p_.temperature == 0.0f) return argmax(logits, vocab);  // greedy: no draw is consumed
+  return sample_checked(logits, vocab, p_, rng_.uniform());
+}
 
+int64_t sample_from_uniform(const float* logits, int64_t vocab, const SamplingParams& p,
+                            double u) {
+  // logits: [vocab] fp32.
+  check_params(p);
+  K3_CHECK(vocab > 0, "sampling over an empty vocabulary");
+  K3_CHECK(u >= 0.0 && u < 1.0, "sampling: u must be in [0, 1), got ", u);
+  check_no_nan(logits, vocab);
+  if (p.temperature == 0.0f) return argmax(logits, vocab);
+  return sample_checked(logits, vocab, p, u);
+}
+
+namespace {
+
+int64_t sample_checked(const float* logits, int64_t vocab, const SamplingParams& p, double u01) {
   // Scaled logits in double: dividing a large logit by a tiny temperature must not overflow.
   std::vector<double> z(static_cast<size_t>(vocab));  // [vocab]
   for (int64_t i = 0; i < vocab; ++i)
-    z[static_cast<size_t>(i)] = static_cast<double>(logits[i]) / p_.temperature;
+    z[static_cast<size_t>(i)] = static_cast<double>(logits[i]) / p.temperature;
 
   // Candidates in descending z, ties by lower token id: a strict total order, so the kept set
   // and the CDF order are unique. Only the first `kept` positions are ever sorted.
-  int64_t kept = p_.top_k > 0 ? std::min<int64_t>(p_.top_k, vocab) : vocab;
+  int64_t kept = p.top_k > 0 ? std::min<int64_t>(p.top_k, vocab) : vocab;
   std::vector<int64_t> order(static_cast<size_t>(vocab));  // token ids, [vocab]
   std::iota(order.begin(), order.end(), int64_t{0});
   std::partial_sort(order.begin(), order.begin() + kept, order.end(), [&z](int64_t a, int64_t b) {
@@ -74,12 +95,12 @@ int64_t Sampler::sample(const float* logits, int64_t vocab) {
   for (double& q : prob) q /= total;
 
   // Nucleus: the shortest prefix whose mass reaches top_p; the first token is always kept.
-  if (p_.top_p < 1.0f) {
+  if (p.top_p < 1.0f) {
     double cum = 0.0;
     int64_t n = 0;
     while (n < kept) {
       cum += prob[static_cast<size_t>(n++)];
-      if (cum >= static_cast<double>(p_.top_p)) break;
+      if (cum >= static_cast<double>(p.top_p)) break;
     }
     kept = n;
   }
@@ -87,7 +108,7 @@ int64_t Sampler::sample(const float* logits, int64_t vocab) {
   // Renormalise implicitly by drawing u in [0, mass of the kept prefix).
   double mass = 0.0;
   for (int64_t i = 0; i < kept; ++i) mass += prob[static_cast<size_t>(i)];
-  const double u = rng_.uniform() * mass;
+  const double u = u01 * mass;
   double cum = 0.0;
   int64_t last_nonzero = 0;
   for (int64_t i = 0; i < kept; ++i) {
@@ -99,5 +120,7 @@ int64_t Sampler::sample(const float* logits, int64_t vocab) {
   // Only reachable through rounding of the running sum; never return a zero-probability token.
   return order[static_cast<size_t>(last_nonzero)];
 }
+
+}  // namespace
 
 }  // namespace k3::cpu

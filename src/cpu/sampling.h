@@ -30,4 +30,10 @@ class Sampler {
 // Index of the largest logit (lowest index on ties).
 int64_t argmax(const float* logits, int64_t n);
 
+// The sampling pipeline with the draw supplied: u in [0, 1) is the one uniform Sampler::sample
+// would take from its stream (temperature 0 ignores it: greedy). Sampler::sample is exactly
+// sample_from_uniform(logits, vocab, params(), its next uniform()). Raises k3::Error on bad
+// params, u outside [0, 1), NaN logits, or no finite largest scaled logit.
+int64_t sample_from_uniform(const float* logits, int64_t vocab, const SamplingParams& p, double u);
+
 }  // namespace k3::cpu

@@ -18,12 +18,19 @@ __device__ __forceinline__ float sigmoid_ref(float x) {
   return e / (1.0f + e);
 }
 
-template <GluAct::Kind kKind>
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, bool v8, int n, float (&out)[8]) {
+  detail::load_bf16x8(p, v8, n, out);
+}
+__device__ __forceinline__ void load8(const float* p, bool, int n, float (&out)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) out[k] = k < n ? p[k] : 0.0f;
+}
+
+template <GluAct::Kind kKind, typename T>
 __global__ void __launch_bounds__(256)
-    glu_kernel(GluAct act, const __nv_bfloat16* g, int64_t g_stride, const __nv_bfloat16* u,
-               int64_t u_stride, int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride,
-               bool vec) {
-  // g, u, h: [rows, width] bf16 with their row strides
+    glu_kernel(GluAct act, const T* g, int64_t g_stride, const T* u, int64_t u_stride,
+               int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride, bool vec) {
+  // g, u: [rows, width] T (bf16 or fp32); h: [rows, width] bf16; with their row strides
   const int64_t per_row = (width + 7) / 8;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= rows * per_row) return;
@@ -31,8 +38,8 @@ __global__ void __launch_bounds__(256)
   const int n_valid = static_cast<int>(min(static_cast<int64_t>(8), width - c0));
   const bool v8 = vec && n_valid == 8;
   float gv[8], uv[8], o[8];
-  detail::load_bf16x8(g + r * g_stride + c0, v8, n_valid, gv);
-  detail::load_bf16x8(u + r * u_stride + c0, v8, n_valid, uv);
+  load8(g + r * g_stride + c0, v8, n_valid, gv);
+  load8(u + r * u_stride + c0, v8, n_valid, uv);
 #pragma unroll
   for (int k = 0; k < 8; ++k) {
     if constexpr (kKind == GluAct::Kind::SiLU) {
@@ -47,11 +54,10 @@ __global__ void __launch_bounds__(256)
   detail::store_bf16x8(h + r * h_stride + c0, v8, n_valid, o);
 }
 
-}  // namespace
-
-void glu(const GluAct& act, const __nv_bfloat16* g, int64_t g_stride, const __nv_bfloat16* u,
-         int64_t u_stride, int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride,
-         cudaStream_t stream) {
+template <typename T>
+void glu_impl(const GluAct& act, const T* g, int64_t g_stride, const T* u, int64_t u_stride,
+              int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride,
+              cudaStream_t stream) {
   K3_CHECK(rows >= 0 && width > 0, "cuda::glu: rows ", rows, ", width ", width);
   K3_CHECK(g_stride >= width && u_stride >= width && h_stride >= width, "cuda::glu: strides ",
            g_stride, "/", u_stride, "/", h_stride, " below width ", width);
@@ -68,12 +74,25 @@ void glu(const GluAct& act, const __nv_bfloat16* g, int64_t g_stride, const __nv
   const int64_t blocks = (threads_total + threads - 1) / threads;
   K3_CHECK(blocks <= 0x7fffffff, "cuda::glu: too large: ", rows, " x ", width);
   if (act.kind == GluAct::Kind::SiLU)
-    glu_kernel<GluAct::Kind::SiLU><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+    glu_kernel<GluAct::Kind::SiLU, T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
         act, g, g_stride, u, u_stride, rows, width, h, h_stride, vec);
   else
-    glu_kernel<GluAct::Kind::SiTU><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+    glu_kernel<GluAct::Kind::SiTU, T><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
         act, g, g_stride, u, u_stride, rows, width, h, h_stride, vec);
   K3_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void glu(const GluAct& act, const __nv_bfloat16* g, int64_t g_stride, const __nv_bfloat16* u,
+         int64_t u_stride, int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride,
+         cudaStream_t stream) {
+  glu_impl(act, g, g_stride, u, u_stride, rows, width, h, h_stride, stream);
+}
+
+void glu(const GluAct& act, const float* g, int64_t g_stride, const float* u, int64_t u_stride,
+         int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride, cudaStream_t stream) {
+  glu_impl(act, g, g_stride, u, u_stride, rows, width, h, h_stride, stream);
 }
 
 }  // namespace k3::cuda

@@ -2,7 +2,7 @@
 //   SiLU: h = bf16(silu(g) * u)
 //   SiTU: h = bf16([beta tanh(g/beta) sigmoid(g)] * [linear_beta tanh(u/linear_beta)])
 //         (u unchanged when linear_beta is unset)
-// fp32 math; matches cpu::GluActivation on the same (bf16-valued) inputs then bf16 rounding.
+// fp32 math; matches cpu::GluActivation on the same inputs then bf16 rounding.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,5 +25,10 @@ struct GluAct {
 void glu(const GluAct& act, const __nv_bfloat16* g, int64_t g_stride, const __nv_bfloat16* u,
          int64_t u_stride, int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride,
          cudaStream_t stream);
+
+// The same on fp32 g and u (the gate / up GEMM outputs kept in fp32, as the CPU reference's
+// glu_mlp applies the activation before any rounding); h is bf16. Strides in elements.
+void glu(const GluAct& act, const float* g, int64_t g_stride, const float* u, int64_t u_stride,
+         int64_t rows, int64_t width, __nv_bfloat16* h, int64_t h_stride, cudaStream_t stream);
 
 }  // namespace k3::cuda

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/mla_decode_generic.h"
 
 namespace k3::cuda {
 namespace {
@@ -225,8 +226,10 @@ __global__ void __launch_bounds__(128)
 }  // namespace
 
 MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
-  K3_CHECK(p.kv_lora == kKvLora && p.rope == kRope, "cuda::mla_decode: kv_lora ", p.kv_lora,
-           " / rope ", p.rope, " unsupported (the kernel is built for 512 / 64)");
+  const bool fast = p.kv_lora == kKvLora && p.rope == kRope;
+  K3_CHECK(fast || detail::mla_generic_shape_ok(p.kv_lora, p.rope), "cuda::mla_decode: kv_lora ",
+           p.kv_lora, " / rope ", p.rope,
+           " unsupported (512 / 64, or kv_lora in [8, 1024] a multiple of 8 and rope in [0, 128])");
   K3_CHECK(p.rows >= 0 && p.heads >= 1 && p.heads <= 128, "cuda::mla_decode: rows ", p.rows,
            ", heads ", p.heads);
   K3_CHECK(p.page_size >= 1 && p.max_pages >= 1, "cuda::mla_decode: page_size ", p.page_size,
@@ -234,6 +237,12 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   K3_CHECK(p.max_tokens >= 0 && p.max_tokens <= 0x7fffffff, "cuda::mla_decode: max_tokens ",
            p.max_tokens);
   K3_CHECK(sm_count >= 1, "cuda::mla_decode: sm_count ", sm_count);
+  if (!fast) {  // generic kernel: one CTA per (head, row), no splits
+    p.head_groups = p.heads;
+    p.heads_per_group = 1;
+    p.splits = 1;
+    return p;
+  }
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
   // Aim at two CTAs per SM (what fits at ~74 KB of shared memory), but give each split at least
@@ -249,7 +258,7 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
 }
 
 size_t mla_decode_workspace_bytes(const MlaDecodePlan& p) {
-  return sizeof(float) * static_cast<size_t>(p.rows) * p.heads * p.splits * (kKvLora + 2);
+  return sizeof(float) * static_cast<size_t>(p.rows) * p.heads * p.splits * (p.kv_lora + 2);
 }
 
 void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
@@ -264,6 +273,11 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
                reinterpret_cast<uintptr_t>(workspace) % 16 == 0 &&
                reinterpret_cast<uintptr_t>(o_latent) % 16 == 0,
            "cuda::mla_decode: cache, workspace and o_latent must be 16-byte aligned");
+  if (p.kv_lora != kKvLora || p.rope != kRope) {
+    detail::mla_decode_generic(p, q_abs, q_pe, cache, block_table, seq_len, selected, n_selected,
+                               softmax_scale, o_latent, o_bf16, stream);
+    return;
+  }
   if (p.rows == 0) return;
   float* ws_acc = static_cast<float*>(workspace);
   float* ws_ml = ws_acc + static_cast<size_t>(p.rows) * p.heads * p.splits * kKvLora;

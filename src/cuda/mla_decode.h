@@ -27,8 +27,8 @@ namespace k3::cuda {
 struct MlaDecodePlan {
   int rows = 0;            // batch rows (one query token each)
   int heads = 0;           // query heads on this rank (K3 TP16: 6)
-  int kv_lora = 0;         // latent width (K3: 512; the kernel supports 512)
-  int rope = 0;            // k_pe width (K3: 64; the kernel supports 64)
+  int kv_lora = 0;         // latent width (K3: 512; else the generic kernel, see below)
+  int rope = 0;            // k_pe width (K3: 64)
   int page_size = 0;       // tokens per cache page
   int max_pages = 0;       // block_table row stride
   int max_sel = 0;         // selected row stride (sparse only)
@@ -40,10 +40,13 @@ struct MlaDecodePlan {
 };
 
 // Fills the derived fields for a device with `sm_count` SMs; raises k3::Error on unsupported
-// shapes (kv_lora != 512, rope != 64, heads outside [1, 128], page_size < 1).
+// shapes (heads outside [1, 128], page_size < 1, or a latent shape neither 512 / 64 nor generic).
+// 512 / 64 (K3) runs the split-KV kernel; any other kv_lora in [8, 1024] (multiple of 8) with
+// rope in [0, 128] runs a simple generic kernel (one CTA per (head, row), splits = 1).
 MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count);
 
-// Bytes of fp32 scratch the launch needs: rows x heads x splits x (kv_lora + 2).
+// Bytes of fp32 scratch the launch needs: rows x heads x splits x (kv_lora + 2) (the generic
+// kernel does not touch it).
 size_t mla_decode_workspace_bytes(const MlaDecodePlan& p);
 
 // q_abs:       [rows][heads][kv_lora] bf16 (q~ = W_uk^T q_nope)

@@ -286,9 +286,13 @@ TEST(CudaMla, GraphReplayEqualsEager) {
 }
 
 TEST(CudaMla, RefusesUnsupportedShapes) {
-  const cuda::MlaDecodePlan p{
-      .rows = 1, .heads = 6, .kv_lora = 256, .rope = 64, .page_size = 64, .max_pages = 1};
-  EXPECT_THROW(cuda::plan_mla_decode(p, 132), k3::Error);
+  // Other shapes take the generic kernel (test_cuda_mla_generic.cu), up to kv_lora 1024 in
+  // multiples of 8 and rope 128.
+  for (auto [kv_lora, rope] : {std::pair{2048, 64}, std::pair{260, 64}, std::pair{512, 200}}) {
+    const cuda::MlaDecodePlan p{
+        .rows = 1, .heads = 6, .kv_lora = kv_lora, .rope = rope, .page_size = 64, .max_pages = 1};
+    EXPECT_THROW(cuda::plan_mla_decode(p, 132), k3::Error) << kv_lora << " / " << rope;
+  }
 }
 
 // ============================== router ==============================
