@@ -6,6 +6,8 @@
 # Binaries are taken from $K3_BIN_DIR, build/, build-cuda/ or .gpu_carry/ (first that has both);
 # when none has them, tools/setup.sh builds build/ first.
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
+# Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP (skip a
+# bench), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,19 +40,31 @@ fi
 } | tee -a "$log"
 
 echo "== k3_gpu_tests" | tee -a "$log"
-"$bin_dir/k3_gpu_tests" --gtest_brief=1 2>&1 | tee -a "$log"
+"$bin_dir/k3_gpu_tests" --gtest_brief=1 ${K3_GPU_FILTER:+--gtest_filter=$K3_GPU_FILTER} 2>&1 | tee -a "$log"
 tests_rc=${PIPESTATUS[0]}
 
-echo "== k3_bench_ops $*" | tee -a "$log"
-"$bin_dir/k3_bench_ops" "$@" 2>&1 | tee "$out_dir/bench_ops.log" | tee -a "$log" >/dev/null
-bench_rc=${PIPESTATUS[0]}
+bench_rc=0
+if [ -z "${K3_SKIP_OPS:-}" ]; then
+  echo "== k3_bench_ops $*" | tee -a "$log"
+  "$bin_dir/k3_bench_ops" "$@" 2>&1 | tee "$out_dir/bench_ops.log" | tee -a "$log" >/dev/null
+  bench_rc=${PIPESTATUS[0]}
+fi
 
 # KDA / MLA / router timings (optional binary: older carried builds may lack it).
 attn_rc=0
-if [ -x "$bin_dir/k3_bench_attn" ]; then
+if [ -x "$bin_dir/k3_bench_attn" ] && [ -z "${K3_SKIP_ATTN:-}" ]; then
   echo "== k3_bench_attn" | tee -a "$log"
   "$bin_dir/k3_bench_attn" 2>&1 | tee "$out_dir/bench_attn.log" | tee -a "$log" >/dev/null
   attn_rc=${PIPESTATUS[0]}
+fi
+
+# The whole stock decode step at K3 per-rank shapes (optional binary; K3_STEP_ARGS adds flags).
+step_rc=0
+if [ -x "$bin_dir/k3_bench_step" ] && [ -z "${K3_SKIP_STEP:-}" ]; then
+  echo "== k3_bench_step ${K3_STEP_ARGS:-}" | tee -a "$log"
+  # shellcheck disable=SC2086
+  "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 | tee "$out_dir/bench_step.log" | tee -a "$log" >/dev/null
+  step_rc=${PIPESTATUS[0]}
 fi
 
 # Summary: test verdict, failures, then the bench's own compact tables (printed last by it).
@@ -64,17 +78,25 @@ fi
        grep -E '^\[  FAILED  \]' "$log" | sort -u | head -20
        grep -E 'Failure|outside tolerance|not written|differ' "$log" | head -20 ;;
   esac
-  echo "k3_bench_ops: rc $bench_rc (full output: $out_dir/bench_ops.log)"
-  if grep -q '^plan sweep' "$out_dir/bench_ops.log"; then
+  [ -f "$out_dir/bench_ops.log" ] && echo "k3_bench_ops: rc $bench_rc (full output: $out_dir/bench_ops.log)"
+  if [ ! -f "$out_dir/bench_ops.log" ]; then
+    :
+  elif grep -q '^plan sweep' "$out_dir/bench_ops.log"; then
     awk '/^plan sweep/{p=1} p' "$out_dir/bench_ops.log"
   else
     awk '/^kernel +shape/{p=1} p' "$out_dir/bench_ops.log"
   fi
   if [ "$bench_rc" -ne 0 ]; then tail -n 5 "$out_dir/bench_ops.log"; fi
+  # Skipped benches leave no log.
   if [ -f "$out_dir/bench_attn.log" ]; then
     echo "k3_bench_attn: rc $attn_rc (full output: $out_dir/bench_attn.log)"
     awk '/^kernel +shape/{p=1} p' "$out_dir/bench_attn.log"
   fi
+  if [ -f "$out_dir/bench_step.log" ]; then
+    echo "k3_bench_step: rc $step_rc (full output: $out_dir/bench_step.log)"
+    grep -E '^k3_bench_step' "$out_dir/bench_step.log" | head -2
+    awk '/^kernel +batch/{p=1} p' "$out_dir/bench_step.log"
+  fi
 } | tee -a "$log"
 
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]

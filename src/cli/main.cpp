@@ -2,7 +2,9 @@
 #include "cli/commands/commands.h"
 
 #ifdef K3_HAVE_CUDA
+#include "cuda/cuda_step_backend.h"
 #include "cuda/device.h"
+#include "serve/step_backend.h"
 
 static std::vector<std::string> list_gpus() {
   std::vector<std::string> out;
@@ -17,6 +19,7 @@ static std::vector<std::string> list_gpus() {
 int main(int argc, char** argv) {
 #ifdef K3_HAVE_CUDA
   k3::cli::set_gpu_probe(list_gpus);
+  k3::serve::set_cuda_backend_factory(k3::cuda::make_cuda_step_backend);
 #endif
   return k3::cli::run_cli(argc, argv);
 }

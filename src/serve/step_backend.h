@@ -32,6 +32,19 @@ struct StepRow {
   SlotState* state = nullptr;
   std::span<const int64_t> tokens;
   float* logits = nullptr;
+  // Optional ([tokens][hidden] fp32): the final-normed hidden state after each token, which a
+  // speculative draft model reads. Backends without it refuse draft-model speculation.
+  float* hidden = nullptr;
+};
+
+// One request's speculative verify step: feed `tokens` (q = 1 + drafts: the last sampled token,
+// then the drafts) in order into `state` and write the logits after every token to `logits`
+// ([q][vocab] fp32). The backend keeps what it needs to commit an accepted prefix afterwards.
+struct VerifyRow {
+  SlotState* state = nullptr;
+  std::span<const int64_t> tokens;
+  float* logits = nullptr;
+  float* hidden = nullptr;  // optional [q][hidden] fp32, as StepRow::hidden
 };
 
 class StepBackend {
@@ -43,6 +56,15 @@ class StepBackend {
   virtual std::unique_ptr<SlotState> new_state() const = 0;
   // Runs every row. An exception means the states of all rows in this call are undefined.
   virtual void forward(std::span<const StepRow> rows) = 0;
+
+  // Speculative decoding. Backends without it keep these defaults: supports_verify() false, and
+  // verify / commit raise k3::Error "speculative decoding is not supported by this backend".
+  virtual bool supports_verify() const { return false; }
+  // Runs every verify row (as forward: an exception leaves the rows' states undefined).
+  virtual void verify(std::span<const VerifyRow> rows);
+  // After verify: keep the first `consumed` tokens of the state's last verify row (1 <= consumed
+  // <= q); the state then equals the state after exactly those tokens.
+  virtual void commit(SlotState& state, int64_t consumed);
 };
 
 // The CPU reference backbone; owns the model (the backbone holds references into it). State
@@ -52,5 +74,15 @@ class StepBackend {
 std::unique_ptr<StepBackend> make_cpu_backend(std::unique_ptr<LoadedModel> model,
                                               const DeployConfig& deploy, bool fp32 = false,
                                               int threads = 0);
+
+// The CUDA executor (decode_backend auto on the GPU). Binaries built with CUDA register its
+// factory at start-up (src/cli/main.cpp); the engine library itself does not link CUDA.
+using BackendFactory = std::unique_ptr<StepBackend> (*)(std::unique_ptr<LoadedModel> model,
+                                                       const DeployConfig& deploy);
+void set_cuda_backend_factory(BackendFactory factory);
+bool have_cuda_backend();
+// Raises k3::Error when this binary has no CUDA backend.
+std::unique_ptr<StepBackend> make_cuda_backend(std::unique_ptr<LoadedModel> model,
+                                               const DeployConfig& deploy);
 
 }  // namespace k3::serve

@@ -23,6 +23,9 @@ std::string builtin_tiny_model_dir();
 using GpuProbe = std::vector<std::string> (*)();
 void set_gpu_probe(GpuProbe probe);
 std::vector<std::string> probe_gpus();
+// "cpu" or "cuda" for --device auto | cpu | cuda (auto: the GPU when this build has the CUDA
+// backend and one is visible); an impossible request is a k3::Error.
+std::string choose_device(const std::string& want);
 
 int run_cli(int argc, char** argv);
 

@@ -1,12 +1,21 @@
+#include <algorithm>
 #include <cstdio>
 #include <memory>
+
+#include <nlohmann/json.hpp>
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
 #include "cpu/backbone.h"
 #include "cpu/generate.h"
 #include "model/loaded_model.h"
+#include "parallel/parallel_generate.h"
 #include "runtime/deploy_config.h"
+#include "serve/backend_generate.h"
+#include "serve/step_backend.h"
+#include "spec/draft_model.h"
+#include "spec/drafter.h"
+#include "spec/spec_generate.h"
 #include "text/byte_tokenizer.h"
 #include "text/tokenizer.h"
 
@@ -19,28 +28,15 @@ struct GenerateOpts {
   std::string model, prompt = "The Kimi K3 model", prompt_ids, device = "auto";
   std::string decode_backend = "auto", kv_cache_dtype = "auto";
   std::string mamba_cache_dtype = "auto", mamba_ssm_cache_dtype = "auto";
+  std::string speculative_config;  // JSON, vLLM's --speculative-config
   int max_tokens = 32;
   int64_t max_model_len = 0;
   float temperature = 0.0f, top_p = 1.0f;
   int top_k = 0;
   uint64_t seed = 0;
   bool ignore_eos = false, show_ids = false, fp32 = false;
+  parallel::ParallelLayout layout;  // --tp / --dp / --ep / --dcp: the multi-rank CPU backbone
 };
-
-// The device the run uses. The CUDA decode path is not in this build yet, so a GPU is reported
-// and the CPU reference runs; asking for cuda explicitly is an error rather than a silent CPU run.
-std::string choose_device(const std::string& want) {
-  const std::vector<std::string> gpus = probe_gpus();
-  K3_CHECK(want == "auto" || want == "cpu" || want == "cuda",
-           "--device must be auto, cpu or cuda, got \"", want, "\"");
-  for (const auto& g : gpus) std::fprintf(stderr, "k3: found GPU %s\n", g.c_str());
-  K3_CHECK(want != "cuda",
-           "--device cuda: this build has no CUDA decode backend yet; use --device cpu");
-  if (want == "auto" && !gpus.empty())
-    std::fprintf(stderr,
-                 "k3: the CUDA decode backend is not in this build yet; running on the CPU\n");
-  return "cpu";
-}
 
 void run_generate(const GenerateOpts& o) {
   DeployConfig dc;
@@ -49,8 +45,21 @@ void run_generate(const GenerateOpts& o) {
   dc.mamba_cache_dtype = parse_state_dtype("mamba_cache_dtype", o.mamba_cache_dtype);
   dc.mamba_ssm_cache_dtype = parse_state_dtype("mamba_ssm_cache_dtype", o.mamba_ssm_cache_dtype);
   dc.max_model_len = o.max_model_len;
+  if (!o.speculative_config.empty()) {
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(o.speculative_config);
+    } catch (const nlohmann::json::parse_error& e) {
+      fail("--speculative-config is not valid JSON: ", e.what());
+    }
+    // The deployment parser checks its keys and types (the only key given here).
+    dc.speculative_config = parse_deploy_config({{"speculative_config", j}}).speculative_config;
+  }
 
   const std::string device = choose_device(o.device);
+  K3_CHECK(device == "cpu" || dc.speculative_config.num_speculative_tokens == 0,
+           "--speculative-config: speculative decoding runs on the CPU reference only (the CUDA "
+           "verify step is not in this build); use --device cpu");
   const std::string dir = o.model.empty() ? builtin_tiny_model_dir() : o.model;
   const auto model = LoadedModel::load(dir);
   const ModelConfig& cfg = model->config;
@@ -58,14 +67,13 @@ void run_generate(const GenerateOpts& o) {
   // Refusals of the specialized path come first, with their reason, even on the CPU.
   if (specialized_decode_config(cfg, dc))
     fail("decode_backend latency_specialized runs on the CUDA executor, which this build lacks");
-  K3_CHECK(dc.kv_cache_dtype == KvCacheDtype::Auto || dc.kv_cache_dtype == KvCacheDtype::BFloat16,
-           "kv_cache_dtype ", name(dc.kv_cache_dtype),
-           " is not implemented by the CPU reference (it keeps a bfloat16 latent cache)");
   const KdaDtypes kd = kda_dtypes(cfg, dc);
   cpu::Numerics num;
   num.bf16_activations = !o.fp32;
-  const cpu::CpuBackbone backbone(cfg, model->weights, {kd.conv, kd.recurrent}, num,
-                                  dc.max_model_len);
+  // The latent cache holds exactly what the kv_cache_dtype format holds (cpu/latent_format.h).
+  const cpu::CpuBackbone backbone(cfg, model->weights,
+                                  {kd.conv, kd.recurrent, cpu::latent_format_of(dc.kv_cache_dtype)},
+                                  num, dc.max_model_len);
 
   // The model's tokenizer (the byte-level fallback when it ships none). Its ids must cover
   // everything the model can sample.
@@ -86,18 +94,51 @@ void run_generate(const GenerateOpts& o) {
                dir.c_str(), cfg.num_hidden_layers, device.c_str(),
                tok->byte_fallback() ? "byte-level" : "tiktoken BPE", req.prompt.size());
   StreamDecoder text(*tok);  // holds bytes of a character split across tokens
-  const cpu::GenerateResult res = cpu::generate(backbone, req, [&](int64_t id) {
+  const auto print = [&](int64_t id) {
     if (o.show_ids)
       std::printf("%lld ", static_cast<long long>(id));
     else
       std::fputs(text.push(id).c_str(), stdout);
     std::fflush(stdout);
-  });
+  };
+  const SpeculativeConfig& sc = dc.speculative_config;
+  const bool multi_rank = o.layout.world() > 1 || o.layout.ep || o.layout.dcp > 1;
+  K3_CHECK(!multi_rank || (device == "cpu" && sc.num_speculative_tokens == 0),
+           "--tp / --dp / --ep / --dcp run the multi-rank CPU reference (src/parallel), without "
+           "speculative decoding; use --device cpu");
+  cpu::GenerateResult res;
+  spec::SpecStats stats;
+  if (sc.num_speculative_tokens > 0) {
+    const std::unique_ptr<spec::DraftModel> draft =
+        sc.method == "draft_model" ? spec::DraftModel::load(sc.model, cfg) : nullptr;
+    const auto drafter = spec::make_drafter(sc, draft.get(), req.sampling);
+    spec::SpecGenerateResult r =
+        spec::speculative_generate(backbone, req, *drafter, sc.num_speculative_tokens, print);
+    res = std::move(r.result);
+    stats = r.stats;
+  } else if (multi_rank) {
+    const parallel::ParallelCpuBackbone par(
+        cfg, model->weights, {kd.conv, kd.recurrent, cpu::latent_format_of(dc.kv_cache_dtype)},
+        o.layout, num, dc.max_model_len);
+    std::fprintf(stderr, "k3: %d CPU ranks (tp %d, dp %d, ep %s, dcp %d)\n", o.layout.world(),
+                 o.layout.tp, o.layout.dp, o.layout.ep ? "on" : "off", o.layout.dcp);
+    res = parallel::generate(par, req, print);
+  } else {
+    res = cpu::generate(backbone, req, print);
+  }
   if (!o.show_ids) std::fputs(text.flush().c_str(), stdout);
   std::printf("\n");
   const double tps = res.decode_seconds > 0 ? res.tokens.size() / res.decode_seconds : 0.0;
   std::fprintf(stderr, "k3: %zu tokens (%s), prefill %.1f ms, decode %.1f tok/s\n",
                res.tokens.size(), res.finish_reason.c_str(), res.prefill_seconds * 1e3, tps);
+  if (sc.num_speculative_tokens > 0)
+    std::fprintf(stderr,
+                 "k3: speculative %s: %lld/%lld draft tokens accepted (%.1f%%), mean acceptance "
+                 "length %.2f over %lld verify steps\n",
+                 sc.method.c_str(), static_cast<long long>(stats.accepted),
+                 static_cast<long long>(stats.draft_tokens),
+                 stats.draft_tokens > 0 ? 100.0 * stats.accepted / stats.draft_tokens : 0.0,
+                 stats.mean_acceptance_length(), static_cast<long long>(stats.steps));
 }
 
 }  // namespace
@@ -132,9 +173,17 @@ void register_generate(CLI::App& app) {
   sub->add_option("--mamba-ssm-cache-dtype", o->mamba_ssm_cache_dtype, "KDA recurrent state dtype")
       ->capture_default_str();
   sub->add_option("--max-model-len", o->max_model_len, "context limit (0: the model's)");
+  sub->add_option("--speculative-config", o->speculative_config,
+                  "JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": N, ...}");
   sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop at the end-of-sequence token");
   sub->add_flag("--show-ids", o->show_ids, "print token ids instead of text");
   sub->add_flag("--fp32", o->fp32, "pure fp32 activations (no bf16 rounding at boundaries)");
+  sub->add_option("--tp", o->layout.tp, "tensor_parallel_size (CPU ranks as threads)")
+      ->capture_default_str();
+  sub->add_option("--dp", o->layout.dp, "data_parallel_size")->capture_default_str();
+  sub->add_flag("--ep", o->layout.ep, "enable_expert_parallel (experts over all ranks)");
+  sub->add_option("--dcp", o->layout.dcp, "decode_context_parallel_size (1 or --tp)")
+      ->capture_default_str();
   sub->callback([o] { run_generate(*o); });
 }
 

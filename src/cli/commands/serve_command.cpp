@@ -22,6 +22,7 @@
 #include "runtime/deploy_config.h"
 #include "serve/engine.h"
 #include "serve/server.h"
+#include "spec/draft_model.h"
 
 namespace k3::cli {
 namespace {
@@ -81,19 +82,6 @@ std::string model_name(const ServeOpts& o, const std::string& dir) {
   return p.filename().string();
 }
 
-std::string choose_device(const std::string& want) {
-  K3_CHECK(want == "auto" || want == "cpu" || want == "cuda",
-           "--device must be auto, cpu or cuda, got \"", want, "\"");
-  const std::vector<std::string> gpus = probe_gpus();
-  for (const auto& g : gpus) std::fprintf(stderr, "k3: found GPU %s\n", g.c_str());
-  K3_CHECK(want != "cuda",
-           "--device cuda: this build has no CUDA decode backend yet; use --device cpu");
-  if (want == "auto" && !gpus.empty())
-    std::fprintf(stderr,
-                 "k3: the CUDA decode backend is not in this build yet; serving on the CPU\n");
-  return "cpu";
-}
-
 void run_serve(const ServeOpts& o, const CLI::App& sub) {
   const DeployConfig dc = deploy_config(o, sub);
   const std::string device = choose_device(o.device);
@@ -103,16 +91,13 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   validate_deploy_config(cfg, dc);
   if (specialized_decode_config(cfg, dc))
     fail("decode_backend latency_specialized runs on the CUDA executor, which this build lacks");
-  K3_CHECK(dc.speculative_config.num_speculative_tokens == 0,
-           "speculative decoding is not implemented yet (speculative_config asks for ",
-           dc.speculative_config.num_speculative_tokens, " tokens); drop --speculative-config");
-  K3_CHECK(dc.kv_cache_dtype == KvCacheDtype::Auto || dc.kv_cache_dtype == KvCacheDtype::BFloat16,
-           "kv_cache_dtype ", name(dc.kv_cache_dtype),
-           " is not implemented by the CPU reference (it keeps a bfloat16 latent cache)");
   K3_CHECK(o.max_queued_requests >= 0, "--max-queued-requests must be >= 0");
 
   std::shared_ptr<const serve::TextCodec> codec = serve::TextCodec::load(dir);
-  auto backend = serve::make_cpu_backend(std::move(model), dc, o.fp32, o.cpu_threads);
+  K3_CHECK(device == "cpu" || !o.fp32, "--fp32 runs the CPU reference only; drop --device cuda");
+  auto backend = device == "cuda"
+                     ? serve::make_cuda_backend(std::move(model), dc)
+                     : serve::make_cpu_backend(std::move(model), dc, o.fp32, o.cpu_threads);
   const int64_t max_len = backend->max_context();
 
   // SIGINT / SIGTERM are taken by one waiting thread; every thread started from here on
@@ -128,6 +113,9 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   eo.max_num_seqs = dc.max_num_seqs;
   eo.max_num_batched_tokens = std::max(o.max_num_batched_tokens, dc.max_num_seqs);
   eo.max_waiting = o.max_queued_requests;
+  eo.speculative = dc.speculative_config;  // runs on the CPU backend's verify step
+  if (dc.speculative_config.method == "draft_model")
+    eo.draft_model = spec::DraftModel::load(dc.speculative_config.model, cfg);
   serve::Engine engine(std::move(backend), codec, eo, metrics);
 
   serve::ServerOptions so;

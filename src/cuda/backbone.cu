@@ -1,0 +1,247 @@
+#include "cuda/backbone.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "core/error.h"
+#include "core/numeric.h"
+#include "cuda/argmax.h"
+#include "cuda/attn_res.h"
+#include "cuda/backbone_buffers.h"
+#include "cuda/check.h"
+#include "cuda/rms_norm.h"
+#include "cuda/step_ops.h"
+
+namespace k3::cuda {
+
+CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
+                           const CudaBackboneOptions& opt)
+    : cfg_(cfg), opt_(opt) {
+  K3_CHECK(opt.max_rows >= 1, "max_rows must be >= 1, got ", opt.max_rows);
+  K3_CHECK(opt.pool.slots >= opt.max_rows, "a step's rows need distinct slots: ", opt.pool.slots,
+           " slots cannot hold ", opt.max_rows, " rows");
+  check_cuda_support(cfg, w);
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  K3_CUDA_CHECK(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, dev));
+  K3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  K3_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_copied_, cudaEventDisableTiming));
+  K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_in_),
+                               2 * static_cast<size_t>(opt.max_rows) * sizeof(int32_t)));
+  weights_ = std::make_unique<DeviceWeights>(cfg, w);
+  pool_ = std::make_unique<SlotPool>(cfg, opt.pool);
+  host_pos_.assign(static_cast<size_t>(opt.pool.slots), 0);
+  size_t mla_ws = 0;
+  if (cfg.num_hidden_layers > static_cast<int>(cfg.linear_attn_config.kda_layers.size()))
+    for (int r = 1; r <= opt.max_rows; ++r)
+      mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r)));
+  buf_ = std::make_unique<Buffers>(cfg, *weights_, opt.max_rows, pool_->pages_per_slot(),
+                                   opt.pool.max_context, mla_ws);
+}
+
+CudaBackbone::~CudaBackbone() {
+  // Destructors must not throw: errors here are left for the next checked call.
+  for (auto& [rows, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
+  if (host_in_) (void)cudaFreeHost(host_in_);
+  if (inputs_copied_) (void)cudaEventDestroy(inputs_copied_);
+  if (stream_) (void)cudaStreamDestroy(stream_);
+}
+
+const float* CudaBackbone::logits() const {
+  return buf_->logits.data();
+}
+
+void CudaBackbone::reset_slot(int slot) {
+  pool_->reset(slot, stream_);
+  host_pos_[static_cast<size_t>(slot)] = 0;
+}
+
+void CudaBackbone::assume_context(int slot, int64_t tokens) {
+  pool_->fill_synthetic(slot, tokens, stream_);
+  host_pos_[static_cast<size_t>(slot)] = tokens;
+}
+
+int64_t CudaBackbone::position(int slot) const {
+  K3_CHECK(slot >= 0 && slot < pool_->slots(), "slot ", slot, " outside the pool");
+  return host_pos_[static_cast<size_t>(slot)];
+}
+
+const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows) {
+  auto it = mla_plans_.find(rows);
+  if (it != mla_plans_.end()) return it->second;
+  MlaDecodePlan p;
+  p.rows = static_cast<int>(rows);
+  p.heads = cfg_.num_attention_heads;
+  p.kv_lora = cfg_.kv_lora_rank;
+  p.rope = cfg_.qk_rope_head_dim;
+  p.page_size = opt_.pool.page_size;
+  p.max_pages = static_cast<int>((opt_.pool.max_context + p.page_size - 1) / p.page_size);
+  if (cfg_.dsa_config.enabled) {
+    p.max_sel = cfg_.dsa_config.index_topk;
+    p.max_tokens = std::min<int64_t>(cfg_.dsa_config.index_topk, opt_.pool.max_context);
+  } else {
+    p.max_tokens = opt_.pool.max_context;
+  }
+  return mla_plans_.emplace(rows, plan_mla_decode(p, sms_)).first->second;
+}
+
+void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t> tokens) {
+  const int64_t rows = static_cast<int64_t>(slots.size());
+  K3_CHECK(rows >= 1 && rows <= opt_.max_rows, "a step takes 1..", opt_.max_rows, " rows, got ",
+           rows);
+  K3_CHECK(tokens.size() == slots.size(), "step: ", slots.size(), " slots but ", tokens.size(),
+           " tokens");
+  std::vector<bool> used(static_cast<size_t>(pool_->slots()), false);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t s = slots[static_cast<size_t>(r)], t = tokens[static_cast<size_t>(r)];
+    K3_CHECK(s >= 0 && s < pool_->slots(), "slot ", s, " outside the pool of ", pool_->slots());
+    K3_CHECK(!used[static_cast<size_t>(s)], "slot ", s, " appears twice in one step");
+    used[static_cast<size_t>(s)] = true;
+    K3_CHECK(t >= 0 && t < cfg_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
+             cfg_.vocab_size, ")");
+    K3_CHECK(host_pos_[static_cast<size_t>(s)] < opt_.pool.max_context, "context length ",
+             opt_.pool.max_context, " exceeded in slot ", s);
+  }
+  for (int64_t r = 0; r < rows; ++r) ++host_pos_[static_cast<size_t>(slots[static_cast<size_t>(r)])];
+
+  // The pinned staging buffer is reused: the previous step's copy must have left it.
+  K3_CUDA_CHECK(cudaEventSynchronize(inputs_copied_));
+  std::copy(slots.begin(), slots.end(), host_in_);
+  std::copy(tokens.begin(), tokens.end(), host_in_ + opt_.max_rows);
+  copy_to_device_async(buf_->slots.data(), host_in_, static_cast<size_t>(rows), stream_);
+  copy_to_device_async(buf_->tokens.data(), host_in_ + opt_.max_rows, static_cast<size_t>(rows),
+                       stream_);
+  K3_CUDA_CHECK(cudaEventRecord(inputs_copied_, stream_));
+
+  if (!opt_.use_graphs || tap_) {
+    enqueue(rows);
+    return;
+  }
+  auto it = graphs_.find(rows);
+  if (it == graphs_.end() && !ran_eager_[rows]) {
+    // First step of this size runs eagerly: it sets kernel attributes and caches plans, which
+    // must not happen inside a capture.
+    enqueue(rows);
+    ran_eager_[rows] = true;
+    return;
+  }
+  if (it == graphs_.end()) {
+    cudaGraph_t graph = nullptr;
+    K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    try {
+      enqueue(rows);
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream_, &graph);
+      if (graph) (void)cudaGraphDestroy(graph);
+      throw;
+    }
+    K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    K3_CUDA_CHECK(inst);
+    it = graphs_.emplace(rows, exec).first;
+  }
+  K3_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+}
+
+void CudaBackbone::logits_to_host(int64_t rows, float* out) {
+  copy_to_host_async(out, buf_->logits.data(), static_cast<size_t>(rows * cfg_.vocab_size), stream_);
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackbone::greedy(int64_t rows, int32_t* ids) {
+  argmax(buf_->logits.data(), cfg_.vocab_size, rows, cfg_.vocab_size, buf_->ids.data(), stream_);
+  copy_to_host_async(ids, buf_->ids.data(), static_cast<size_t>(rows), stream_);
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackbone::tap(int layer, const char* part, int64_t rows) {
+  if (!tap_) return;
+  const size_t n = static_cast<size_t>(rows * cfg_.hidden_size);
+  std::vector<uint16_t> bits(n);
+  copy_to_host_async(bits.data(), buf_->sub.data(), n, stream_);
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(bits[i]);
+  tap_(layer, part, out);
+}
+
+void CudaBackbone::mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out) {
+  const int64_t H = cfg_.hidden_size;
+  AttnResSources src;
+  K3_CHECK(n_blocks + 1 <= AttnResSources::kMax, "AttnRes bank of ", n_blocks, " blocks");
+  for (int j = 0; j < n_blocks; ++j) src.src[j] = buf_->bank_block(j);
+  src.src[n_blocks] = buf_->P.data();
+  attn_res_mix(src, n_blocks + 1, H, score_w, rows, H, cfg_.rms_norm_eps, out, H, nullptr,
+               stream_);
+}
+
+void CudaBackbone::enqueue(int64_t R) {
+  Buffers& b = *buf_;
+  const DeviceWeights& W = *weights_;
+  const int64_t H = cfg_.hidden_size;
+  const float eps = cfg_.rms_norm_eps;
+  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(),
+               pool_->pages_per_slot(), b.row_pos.data(), b.row_seq.data(), b.row_table.data(),
+               stream_);
+  embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
+
+  int n_blocks = 0;
+  for (int l = 0; l < cfg_.num_hidden_layers; ++l) {
+    const DevLayer& L = W.layers[static_cast<size_t>(l)];
+    // Attention side: AttnRes mix of the bank (or the residual stream), norm, KDA or MLA.
+    const __nv_bfloat16* hsrc = b.P.data();
+    if (cfg_.has_attn_res() && n_blocks > 0) {
+      mix(n_blocks, L.attn_res_attn, R, b.h.data());
+      hsrc = b.h.data();
+    }
+    bool restart = false;
+    if (cfg_.is_attn_res_write_layer(l)) {
+      K3_CUDA_CHECK(cudaMemcpyAsync(b.bank_block(n_blocks), b.P.data(),
+                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
+                                    cudaMemcpyDeviceToDevice, stream_));
+      ++n_blocks;
+      restart = true;
+    }
+    rms_norm(hsrc, H, L.input_norm, R, H, eps, b.x.data(), H, stream_);
+    if (L.kind == LayerKind::KDA)
+      attn_kda(l, R);
+    else
+      attn_mla(l, R);
+    tap(l, "attn", R);
+    if (restart)
+      K3_CUDA_CHECK(cudaMemcpyAsync(b.P.data(), b.sub.data(),
+                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
+                                    cudaMemcpyDeviceToDevice, stream_));
+    else
+      add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+
+    // MLP side.
+    hsrc = b.P.data();
+    if (cfg_.has_attn_res()) {
+      mix(n_blocks, L.attn_res_mlp, R, b.h.data());
+      hsrc = b.h.data();
+    }
+    rms_norm(hsrc, H, L.post_attn_norm, R, H, eps, b.x.data(), H, stream_);
+    if (L.moe)
+      ffn_moe(l, R);
+    else
+      ffn_dense(l, R);
+    tap(l, "ffn", R);
+    add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+  }
+
+  const __nv_bfloat16* hsrc = b.P.data();
+  if (cfg_.has_attn_res()) {
+    mix(n_blocks, W.output_attn_res, R, b.h.data());
+    hsrc = b.h.data();
+  }
+  rms_norm(hsrc, H, W.final_norm, R, H, eps, b.x.data(), H, stream_);
+  linear(W.lm_head, b.x.data(), H, R, buf_->logits.data(), cfg_.vocab_size, /*y_fp32=*/true, stream_);
+  advance_rows(b.slots.data(), R, pool_->positions(), stream_);
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,238 @@
+// The per-layer blocks of the stock CUDA step, each the GPU form of one cpu/layer_*.cpp
+// function over a batch of rows: reads b.x (the normed layer input), writes b.sub.
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "cuda/backbone.h"
+#include "cuda/backbone_buffers.h"
+#include "cuda/glu.h"
+#include "cuda/kda_decode.h"
+#include "cuda/latent_cache.h"
+#include "cuda/linear_mxfp4.h"
+#include "cuda/mla_decode.h"
+#include "cuda/moe_dispatch.h"
+#include "cuda/rms_norm.h"
+#include "cuda/router.h"
+#include "cuda/step_ops.h"
+
+namespace k3::cuda {
+namespace {
+
+GluAct glu_act(const ModelConfig& cfg) {
+  GluAct a;
+  if (cfg.hidden_act == "situ") {
+    a.kind = GluAct::Kind::SiTU;
+    a.beta = cfg.activation_situ_beta;
+    a.has_linear_beta = cfg.activation_situ_linear_beta.has_value();
+    a.linear_beta = cfg.activation_situ_linear_beta.value_or(0.0f);
+  }
+  return a;
+}
+
+// A bf16 or MXFP4 expert GEMM over expert-grouped rows: slot e = expert e, its rows the
+// (token, choice) pairs that chose it (at most max_rows, the step's row count).
+void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const* scales,
+                   const int32_t* slot_expert, const int32_t* offsets, const int32_t* row_index,
+                   int n_slots, int max_rows, const __nv_bfloat16* x, int64_t ldx, int64_t N,
+                   int64_t K, void* y, bool y_fp32, cudaStream_t stream) {
+  if (fmt == WeightFormat::MXFP4) {
+    Mxfp4Grouped g;
+    g.packed = reinterpret_cast<const uint8_t* const*>(w);
+    g.scales = scales;
+    g.slot_expert = slot_expert;
+    g.slot_offsets = offsets;
+    g.row_index = row_index;
+    g.n_slots = n_slots;
+    g.max_rows_per_slot = max_rows;
+    linear_mxfp4_grouped(g, x, ldx, N, K, y, N, y_fp32, stream);
+  } else {
+    Bf16Grouped g;
+    g.w = reinterpret_cast<const __nv_bfloat16* const*>(w);
+    g.slot_expert = slot_expert;
+    g.slot_offsets = offsets;
+    g.row_index = row_index;
+    g.n_slots = n_slots;
+    linear_bf16_grouped(g, x, ldx, N, K, y, N, y_fp32, stream);
+  }
+}
+
+}  // namespace
+
+void CudaBackbone::attn_kda(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
+  const auto& la = cfg_.linear_attn_config;
+  const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim();
+  // Pre-conv q, k, v side by side: [rows][3][P].
+  linear(k.q_proj, b.x.data(), H, R, b.kda_u.data(), 3 * P, false, stream_);
+  linear(k.k_proj, b.x.data(), H, R, b.kda_u.data() + P, 3 * P, false, stream_);
+  linear(k.v_proj, b.x.data(), H, R, b.kda_u.data() + 2 * P, 3 * P, false, stream_);
+  linear(k.f_a, b.x.data(), H, R, b.kda_fa.data(), k.f_a.rows, false, stream_);
+  linear(k.f_b, b.kda_fa.data(), k.f_a.rows, R, b.kda_f.data(), P, false, stream_);
+  linear(k.b_proj, b.x.data(), H, R, b.kda_beta.data(), la.num_heads, false, stream_);
+  if (!k.g_proj.empty()) {
+    linear(k.g_proj, b.x.data(), H, R, b.kda_z.data(), P, false, stream_);
+  } else {
+    linear(k.g_a, b.x.data(), H, R, b.kda_ga.data(), k.g_a.rows, false, stream_);
+    linear(k.g_b, b.kda_ga.data(), k.g_a.rows, R, b.kda_z.data(), P, false, stream_);
+  }
+  KdaDecodeWeights w;
+  w.conv = k.conv;
+  w.dt_bias = k.dt_bias;
+  w.a_log = k.a_log;
+  w.o_norm = k.o_norm;
+  w.gate_lower_bound = la.gate_lower_bound.value_or(std::numeric_limits<float>::quiet_NaN());
+  w.eps = cfg_.rms_norm_eps;
+  w.scale = 1.0f / std::sqrt(static_cast<float>(la.head_dim));
+  KdaDecodeShape shape;
+  shape.rows = R;
+  shape.heads = la.num_heads;
+  shape.head_dim = la.head_dim;
+  shape.kernel = la.short_conv_kernel_size;
+  if (pool_->recurrent_dtype() == DType::F32)
+    kda_decode_step(b.kda_u.data(), b.kda_f.data(), b.kda_beta.data(), b.kda_z.data(), w,
+                    b.slots.data(), pool_->conv(l), static_cast<float*>(pool_->recurrent(l)),
+                    b.kda_gated.data(), shape, stream_);
+  else
+    kda_decode_step(b.kda_u.data(), b.kda_f.data(), b.kda_beta.data(), b.kda_z.data(), w,
+                    b.slots.data(), pool_->conv(l),
+                    static_cast<__nv_bfloat16*>(pool_->recurrent(l)), b.kda_gated.data(), shape,
+                    stream_);
+  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
+}
+
+void CudaBackbone::attn_mla(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevMla& m = weights_->layers[static_cast<size_t>(l)].mla;
+  const int64_t H = cfg_.hidden_size;
+  const int nh = cfg_.num_attention_heads, nope = cfg_.qk_nope_head_dim;
+  const int rope = cfg_.qk_rope_head_dim, vd = cfg_.v_head_dim, kvl = cfg_.kv_lora_rank;
+  const int64_t qw = static_cast<int64_t>(nh) * (nope + rope), kvw = kvl + rope;
+  constexpr float kLatentEps = ModelConfig::kMlaLatentNormEps;
+
+  // Queries: q LoRA (normed latent) or a plain q_proj.
+  if (!m.q_a.empty()) {
+    const int64_t ql = m.q_a.rows;
+    linear(m.q_a, b.x.data(), H, R, b.mla_r.data(), ql, false, stream_);
+    rms_norm(b.mla_r.data(), ql, m.q_a_norm, R, ql, kLatentEps, b.mla_r.data(), ql, stream_);
+    linear(m.q_b, b.mla_r.data(), ql, R, b.mla_q.data(), qw, false, stream_);
+  } else {
+    linear(m.q_proj, b.x.data(), H, R, b.mla_q.data(), qw, false, stream_);
+  }
+  // This token's cache entry: normed c then raw k_pe, appended at the row's position.
+  linear(m.kv_a, b.x.data(), H, R, b.mla_kv.data(), kvw, false, stream_);
+  rms_norm(b.mla_kv.data(), kvw, m.kv_a_norm, R, kvl, kLatentEps, b.mla_kv.data(), kvw, stream_);
+  if (pool_->latent_format() == cpu::LatentFormat::BF16) {
+    mla_cache_append(b.mla_kv.data(), R, static_cast<int>(kvw), b.row_table.data(),
+                     pool_->pages_per_slot(), b.row_pos.data(), pool_->page_size(),
+                     pool_->latent(l), stream_);
+  } else {
+    // Packed kv_cache_dtype: append in the format, then dequantize the rows' contexts into the
+    // shared bf16 scratch the attention kernel reads (plain path: 2 extra passes over the cache).
+    latent_cache_append(pool_->latent_format(), b.mla_kv.data(), R, kvl, rope,
+                        b.row_table.data(), pool_->pages_per_slot(), b.row_pos.data(),
+                        pool_->page_size(), pool_->latent_packed(l), stream_);
+    latent_cache_to_bf16(pool_->latent_format(), pool_->latent_packed(l), kvl, rope,
+                         b.row_table.data(), pool_->pages_per_slot(), b.row_seq.data(), R,
+                         pool_->page_size(), pool_->latent(l), stream_);
+  }
+
+  const int32_t* selected = nullptr;
+  const int32_t* n_selected = nullptr;
+  if (m.has_indexer) {
+    dsa_select(l, R);
+    selected = b.dsa_sel.data();
+    n_selected = b.dsa_nsel.data();
+  }
+  mla_absorb_q(b.mla_q.data(), m.kv_b.bf16(), R, nh, nope, rope, vd, kvl, b.mla_q_abs.data(),
+               b.mla_q_pe.data(), stream_);
+  mla_decode(mla_plan(R), b.mla_q_abs.data(), b.mla_q_pe.data(), pool_->latent(l),
+             b.row_table.data(), b.row_seq.data(), selected, n_selected,
+             1.0f / std::sqrt(static_cast<float>(nope + rope)), b.mla_ws.data(),
+             b.mla_o_lat.data(), /*o_bf16=*/false, stream_);
+  const __nv_bfloat16* gate = nullptr;
+  if (!m.g_proj.empty()) {
+    linear(m.g_proj, b.x.data(), H, R, b.mla_gate.data(), static_cast<int64_t>(nh) * vd, false,
+           stream_);
+    gate = b.mla_gate.data();
+  }
+  mla_unabsorb_v(b.mla_o_lat.data(), m.kv_b.bf16(), gate, R, nh, nope, vd, kvl, b.mla_o.data(),
+                 stream_);
+  linear(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, b.sub.data(), H, false,
+         stream_);
+}
+
+void CudaBackbone::ffn_dense(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevDense& d = weights_->layers[static_cast<size_t>(l)].dense;
+  const int64_t H = cfg_.hidden_size, I = d.gate.rows;
+  linear(d.gate, b.x.data(), H, R, b.ffn_g32.data(), I, true, stream_);
+  linear(d.up, b.x.data(), H, R, b.ffn_u32.data(), I, true, stream_);
+  glu(glu_act(cfg_), b.ffn_g32.data(), I, b.ffn_u32.data(), I, R, I, b.ffn_h.data(), I, stream_);
+  linear(d.down, b.ffn_h.data(), I, R, b.sub.data(), H, false, stream_);
+}
+
+void CudaBackbone::ffn_moe(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
+  const int64_t H = cfg_.hidden_size, E = m.gate.rows;
+  const int k = cfg_.num_experts_per_token;
+  const GluAct act = glu_act(cfg_);
+
+  // Router on the full-width x (fp32 logits); the bias only steers the choice.
+  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
+  RouterPlan rp;
+  rp.num_experts = static_cast<int>(E);
+  rp.top_k = k;
+  rp.num_expert_group = cfg_.num_expert_group;
+  rp.renormalize = cfg_.moe_renormalize;
+  rp.routed_scaling_factor = cfg_.routed_scaling_factor;
+  router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
+              stream_);
+
+  // Experts in the latent (K3) or at full width (Kimi-Linear), the (row, choice) pairs grouped
+  // by expert so each chosen expert is read once for all its rows.
+  const __nv_bfloat16* z = b.x.data();
+  int64_t L = H;
+  if (!m.latent_down.empty()) {
+    L = m.latent_down.rows;
+    linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, stream_);
+    z = b.moe_z.data();
+  }
+  const int n = static_cast<int>(R * k), nE = static_cast<int>(E), rows = static_cast<int>(R);
+  const int64_t I = m.inter;
+  moe_group_by_expert(b.expert_ids.data(), R, k, nE, b.group_expert.data(),
+                      b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(), stream_);
+  expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(), b.group_offsets.data(),
+                b.group_rows.data(), nE, rows, z, L, I, L, b.moe_g32.data(), true, stream_);
+  expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(), b.group_offsets.data(),
+                b.group_rows.data(), nE, rows, z, L, I, L, b.moe_u32.data(), true, stream_);
+  glu(act, b.moe_g32.data(), I, b.moe_u32.data(), I, n, I, b.moe_h.data(), I, stream_);
+  expert_linear(m.expert_format, m.w2, m.w2_scales, b.group_expert.data(), b.group_offsets.data(),
+                nullptr, nE, rows, b.moe_h.data(), I, L, I, b.moe_y.data(), false, stream_);
+
+  // Weighted sum of the choices (the complete sum: the latent norm needs all of it), then up.
+  const bool up = !m.latent_up.empty();
+  __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
+  moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
+              cfg_.rms_norm_eps, routed, stream_, b.group_pos.data());
+  if (up) {
+    linear(m.latent_up, b.moe_acc.data(), L, R, b.moe_routed.data(), H, false, stream_);
+    routed = b.moe_routed.data();
+  }
+  if (m.shared_gate.empty()) {
+    K3_CUDA_CHECK(cudaMemcpyAsync(b.sub.data(), routed,
+                                  static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
+                                  cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  const int64_t S = m.shared_gate.rows;
+  linear(m.shared_gate, b.x.data(), H, R, b.ffn_g32.data(), S, true, stream_);
+  linear(m.shared_up, b.x.data(), H, R, b.ffn_u32.data(), S, true, stream_);
+  glu(act, b.ffn_g32.data(), S, b.ffn_u32.data(), S, R, S, b.ffn_h.data(), S, stream_);
+  linear(m.shared_down, b.ffn_h.data(), S, R, b.shared.data(), H, false, stream_);
+  add_bf16(routed, b.shared.data(), R * H, b.sub.data(), stream_);
+}
+
+}  // namespace k3::cuda

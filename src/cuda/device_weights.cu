@@ -1,0 +1,189 @@
+#include "cuda/device_weights.h"
+
+#include <string>
+
+#include "core/error.h"
+#include "cuda/linear_bf16.h"
+#include "cuda/linear_mxfp4.h"
+#include "cuda/step_ops.h"
+
+namespace k3::cuda {
+
+void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, void* y,
+            int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(!w.empty(), "linear: empty weight");
+  switch (w.format) {
+    case WeightFormat::BF16:
+      linear_bf16(x, ldx, w.bf16(), M, w.rows, w.cols, y, ldy, y_fp32, stream);
+      return;
+    case WeightFormat::MXFP4:
+      linear_mxfp4(x, ldx, static_cast<const uint8_t*>(w.data), w.scales, M, w.rows, w.cols, y, ldy,
+                   y_fp32, stream);
+      return;
+    case WeightFormat::F32:
+      linear_f32w(x, ldx, static_cast<const float*>(w.data), M, w.rows, w.cols, y, ldy, y_fp32,
+                  stream);
+      return;
+    case WeightFormat::F16:
+      break;
+  }
+  fail("linear: weight format ", weight_format_name(w.format), " has no GPU kernel");
+}
+
+template <typename T>
+const T* DeviceWeights::keep(std::vector<T> host) {
+  auto buf = std::make_shared<DeviceBuffer<T>>(host.size());
+  copy_to_device(*buf, host.data(), host.size());
+  bytes_ += buf->bytes();
+  const T* p = buf->data();
+  owned_.push_back(std::move(buf));
+  return p;
+}
+
+DevMatrix DeviceWeights::upload(const WeightMatrix& m) {
+  DevMatrix d;
+  if (m.empty()) return d;
+  d.format = m.format;
+  d.rows = m.rows;
+  d.cols = m.cols;
+  const auto bytes_of = [](const void* p, size_t n) {
+    const auto* b = static_cast<const uint8_t*>(p);
+    return std::vector<uint8_t>(b, b + n);
+  };
+  switch (m.format) {
+    case WeightFormat::BF16:
+      d.data = keep(bytes_of(m.data, static_cast<size_t>(m.rows * m.cols * 2)));
+      break;
+    case WeightFormat::MXFP4:
+      d.data = keep(bytes_of(m.data, static_cast<size_t>(m.rows * m.cols / 2)));
+      d.scales = keep(bytes_of(m.scales, static_cast<size_t>(m.rows * m.cols / 32)));
+      break;
+    case WeightFormat::F32:
+      d.data = keep(bytes_of(m.data, static_cast<size_t>(m.rows * m.cols * 4)));
+      break;
+    case WeightFormat::F16:
+      fail("tensor ", m.name,
+           " is float16; the CUDA path reads bf16, fp32 and MXFP4 weights (convert the "
+           "checkpoint or run on the CPU)");
+  }
+  return d;
+}
+
+const float* DeviceWeights::upload_floats(const std::vector<float>& v) {
+  return v.empty() ? nullptr : keep(v);
+}
+
+DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
+  K3_CHECK(w.embed.format == WeightFormat::BF16, "the CUDA path needs a bf16 embedding; ",
+           w.embed.name, " is ", weight_format_name(w.embed.format));
+  embed = upload(w.embed);
+  lm_head = upload(w.lm_head);
+  final_norm = upload_floats(w.final_norm);
+  output_attn_res = upload_floats(w.output_attn_res);
+  layers.resize(w.layers.size());
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    DevLayer& D = layers[l];
+    D.kind = L.kind;
+    D.moe = L.moe;
+    D.input_norm = upload_floats(L.input_norm);
+    D.post_attn_norm = upload_floats(L.post_attn_norm);
+    D.attn_res_attn = upload_floats(L.attn_res_attn);
+    D.attn_res_mlp = upload_floats(L.attn_res_mlp);
+    if (L.kind == LayerKind::KDA) {
+      const KdaWeights& k = L.kda;
+      DevKda& d = D.kda;
+      d.q_proj = upload(k.q_proj);
+      d.k_proj = upload(k.k_proj);
+      d.v_proj = upload(k.v_proj);
+      d.f_a = upload(k.f_a);
+      d.f_b = upload(k.f_b);
+      d.b_proj = upload(k.b_proj);
+      d.g_proj = upload(k.g_proj);
+      d.g_a = upload(k.g_a);
+      d.g_b = upload(k.g_b);
+      d.o_proj = upload(k.o_proj);
+      // The fused kernel reads [3 (q,k,v)][P][kernel] fp32.
+      std::vector<float> conv;
+      for (const WeightMatrix* c : {&k.q_conv, &k.k_conv, &k.v_conv}) {
+        std::vector<float> rows(static_cast<size_t>(c->rows * c->cols));
+        for (int64_t r = 0; r < c->rows; ++r) c->row_to_float(r, rows.data() + r * c->cols);
+        conv.insert(conv.end(), rows.begin(), rows.end());
+      }
+      d.conv = keep(std::move(conv));
+      d.dt_bias = upload_floats(k.dt_bias);
+      d.a_log = upload_floats(k.a_log);
+      d.o_norm = upload_floats(k.o_norm);
+    } else {
+      const MlaWeights& m = L.mla;
+      DevMla& d = D.mla;
+      d.q_a = upload(m.q_a);
+      d.q_b = upload(m.q_b);
+      d.q_proj = upload(m.q_proj);
+      d.kv_a = upload(m.kv_a);
+      K3_CHECK(m.kv_b.format == WeightFormat::BF16, "the CUDA MLA path needs a bf16 kv_b_proj; ",
+               m.kv_b.name, " is ", weight_format_name(m.kv_b.format));
+      d.kv_b = upload(m.kv_b);
+      d.g_proj = upload(m.g_proj);
+      d.o_proj = upload(m.o_proj);
+      d.q_a_norm = upload_floats(m.q_a_norm);
+      d.kv_a_norm = upload_floats(m.kv_a_norm);
+      if (m.indexer) {
+        d.has_indexer = true;
+        d.indexer.wq_b = upload(m.indexer->wq_b);
+        d.indexer.wk = upload(m.indexer->wk);
+        d.indexer.weights_proj = upload(m.indexer->weights_proj);
+        d.indexer.k_norm_w = upload_floats(m.indexer->k_norm_w);
+        d.indexer.k_norm_b = upload_floats(m.indexer->k_norm_b);
+      }
+    }
+    if (L.moe) {
+      const MoeWeights& m = L.moe_w;
+      DevMoe& d = D.moe_w;
+      d.gate = upload(m.gate);
+      d.score_bias = upload_floats(m.score_bias);
+      d.latent_down = upload(m.latent_down);
+      d.latent_up = upload(m.latent_up);
+      d.latent_norm = upload_floats(m.latent_norm);
+      d.shared_gate = upload(m.shared_gate);
+      d.shared_up = upload(m.shared_up);
+      d.shared_down = upload(m.shared_down);
+      K3_CHECK(!m.experts.empty(), "MoE layer ", l, " has no experts");
+      d.expert_format = m.experts[0].w1.format;
+      K3_CHECK(d.expert_format == WeightFormat::MXFP4 || d.expert_format == WeightFormat::BF16,
+               "the CUDA path runs MXFP4 or bf16 experts; layer ", l, " has ",
+               weight_format_name(d.expert_format));
+      d.inter = m.experts[0].w1.rows;
+      d.io = m.experts[0].w1.cols;
+      std::vector<const void*> w1, w3, w2;
+      std::vector<const uint8_t*> s1, s3, s2;
+      for (const ExpertWeights& e : m.experts) {
+        for (const WeightMatrix* x : {&e.w1, &e.w3, &e.w2})
+          K3_CHECK(x->format == d.expert_format, "expert ", x->name, " is ",
+                   weight_format_name(x->format), ", the other experts ",
+                   weight_format_name(d.expert_format));
+        const DevMatrix a = upload(e.w1), b = upload(e.w3), c = upload(e.w2);
+        w1.push_back(a.data);
+        w3.push_back(b.data);
+        w2.push_back(c.data);
+        s1.push_back(a.scales);
+        s3.push_back(b.scales);
+        s2.push_back(c.scales);
+      }
+      d.w1 = keep(std::move(w1));
+      d.w3 = keep(std::move(w3));
+      d.w2 = keep(std::move(w2));
+      d.w1_scales = keep(std::move(s1));
+      d.w3_scales = keep(std::move(s3));
+      d.w2_scales = keep(std::move(s2));
+    } else if (!L.dense.gate.empty()) {
+      D.dense.gate = upload(L.dense.gate);
+      D.dense.up = upload(L.dense.up);
+      D.dense.down = upload(L.dense.down);
+    }
+  }
+  K3_CHECK(static_cast<int>(layers.size()) == cfg.num_hidden_layers, "weights bound for ",
+           layers.size(), " layers, config has ", cfg.num_hidden_layers);
+}
+
+}  // namespace k3::cuda

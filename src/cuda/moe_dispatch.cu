@@ -1,0 +1,66 @@
+#include "cuda/moe_dispatch.h"
+
+#include "core/error.h"
+#include "cuda/check.h"
+
+namespace k3::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kMaxExperts = 1024;
+constexpr int kMaxPairs = 4096;
+
+__global__ void __launch_bounds__(kThreads)
+    group_kernel(const int32_t* __restrict__ ids, int n, int top_k, int E,
+                 int32_t* __restrict__ slot_expert, int32_t* __restrict__ slot_offsets,
+                 int32_t* __restrict__ row_index, int32_t* __restrict__ position) {
+  __shared__ int count[kMaxExperts + 1];
+  __shared__ int id_of[kMaxPairs];
+  for (int e = threadIdx.x; e <= E; e += kThreads) count[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < n; p += kThreads) {
+    const int e = ids[p];
+    id_of[p] = e;
+    atomicAdd(&count[e], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive prefix over <= 1024 experts: cheap next to the GEMMs
+    int run = 0;
+    for (int e = 0; e < E; ++e) {
+      const int c = count[e];
+      slot_offsets[e] = run;
+      slot_expert[e] = c > 0 ? e : -1;
+      count[e] = run;
+      run += c;
+    }
+    slot_offsets[E] = run;
+  }
+  __syncthreads();
+  // Rank of pair p among the earlier pairs of its expert: stable, so the order is deterministic.
+  for (int p = threadIdx.x; p < n; p += kThreads) {
+    const int e = id_of[p];
+    int rank = 0;
+    for (int q = 0; q < p; ++q) rank += id_of[q] == e;
+    const int pos = count[e] + rank;
+    position[p] = pos;
+    row_index[pos] = p / top_k;
+  }
+}
+
+}  // namespace
+
+void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, int num_experts,
+                         int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
+                         int32_t* position, cudaStream_t stream) {
+  const int64_t n = rows * top_k;
+  K3_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "moe_group_by_expert: ", num_experts,
+           " experts (at most ", kMaxExperts, ")");
+  K3_CHECK(n >= 0 && n <= kMaxPairs, "moe_group_by_expert: ", n, " (row, choice) pairs (at most ",
+           kMaxPairs, ")");
+  if (n == 0) return;
+  group_kernel<<<1, kThreads, 0, stream>>>(ids, static_cast<int>(n), top_k, num_experts,
+                                           slot_expert, slot_offsets, row_index, position);
+  K3_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,24 @@
+// Groups a step's routed (row, choice) pairs by expert, so each expert's weights are read once
+// per step for all the rows that chose it (instead of once per pair): the grouped expert GEMMs
+// then run one slot per expert with up to `rows` gathered rows each.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace k3::cuda {
+
+// ids:          [rows][top_k] int32 expert ids in [0, E) (the router's output, device)
+// slot_expert:  [E] int32: e when some pair chose e, else -1 (the slot is skipped)
+// slot_offsets: [E + 1] int32: pairs of expert e are grouped positions
+//               [slot_offsets[e], slot_offsets[e+1])
+// row_index:    [rows * top_k] int32: token row of grouped position p
+// position:     [rows * top_k] int32: grouped position of pair (r, j) at r * top_k + j
+// Within an expert, pairs keep ascending (r, j) order (deterministic). One CTA; E <= 1024,
+// rows * top_k <= 4096. No allocation, no host sync.
+void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, int num_experts,
+                         int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
+                         int32_t* position, cudaStream_t stream);
+
+}  // namespace k3::cuda
