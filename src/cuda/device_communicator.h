@@ -30,8 +30,7 @@ class DeviceCommunicator {
   // summation order is the backend's (see NcclCommunicator), not rank order.
   virtual void all_reduce_sum(void* data, int64_t n, DevType t, cudaStream_t stream) = 0;
   // in[n] of every rank -> out[size * n], rank r's values at out + r * n.
-  virtual void all_gather(const void* in, int64_t n, DevType t, void* out,
-                          cudaStream_t stream) = 0;
+  virtual void all_gather(const void* in, int64_t n, DevType t, void* out, cudaStream_t stream) = 0;
   // send: packed by destination, send_counts[size] elements each; recv: packed by source,
   // recv_counts[size] each (matching what the sources send). The counts are HOST arrays: a
   // captured graph bakes them in, so graph replays need fixed (e.g. padded) counts.
@@ -44,7 +43,9 @@ class DeviceCommunicator {
   virtual void barrier(cudaStream_t stream) = 0;
 
   // Typed conveniences.
-  void all_reduce_sum(float* d, int64_t n, cudaStream_t s) { all_reduce_sum(d, n, DevType::F32, s); }
+  void all_reduce_sum(float* d, int64_t n, cudaStream_t s) {
+    all_reduce_sum(d, n, DevType::F32, s);
+  }
   void all_reduce_sum(__nv_bfloat16* d, int64_t n, cudaStream_t s) {
     all_reduce_sum(d, n, DevType::BF16, s);
   }
