@@ -154,7 +154,7 @@ TEST(LatentFormat, WriteThenReadErrorIsBounded) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
-  for (const auto [kvl, rope] : {std::pair{512, 64}, std::pair{32, 8}}) {
+  for (const auto& [kvl, rope] : {std::pair{512, 64}, std::pair{32, 8}}) {
     for (int trial = 0; trial < 8; ++trial) {
       // A normed latent: unit RMS times a norm weight ~ 1 + N(0, 0.1); k_pe raw, wider.
       std::vector<float> row(static_cast<size_t>(kvl + rope));
@@ -216,8 +216,11 @@ std::vector<float> last_logits(const LoadedModel& m, LatentFormat f, uint64_t se
   std::vector<float> logits(static_cast<size_t>(m.config.vocab_size));
   for (int i = 0; i < n; ++i) b.step(st, static_cast<int64_t>(r.next_u64() % 256), logits.data());
   // The state holds one row per token, already round-tripped through the format.
-  for (const auto& l : st.mla)
-    if (!l.latent.empty()) EXPECT_EQ(l.latent_format, f);
+  for (const auto& l : st.mla) {
+    if (!l.latent.empty()) {
+      EXPECT_EQ(l.latent_format, f);
+    }
+  }
   return logits;
 }
 
@@ -238,12 +241,15 @@ TEST(LatentFormat, TinyDecodeStaysCloseToBf16Cache) {
       }
       std::sort(d.begin(), d.end());
       const double med = d[d.size() / 2];
-      if (f == LatentFormat::BF16) EXPECT_EQ(med, 0.0);
+      if (f == LatentFormat::BF16) {
+        EXPECT_EQ(med, 0.0);
+      }
       const double lim = f == LatentFormat::NVFP4_DS_MLA ? kDecodeNvfp4 : kDecodeFp8;
       EXPECT_LT(med, lim);
       if (f == LatentFormat::FP8 || f == LatentFormat::FP8_DS_MLA ||
-          f == LatentFormat::NVFP4_DS_MLA)
+          f == LatentFormat::NVFP4_DS_MLA) {
         EXPECT_GT(med, 0.0);  // the format really changes what is cached
+      }
     }
   }
 }

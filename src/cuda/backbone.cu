@@ -63,6 +63,11 @@ void CudaBackbone::assume_context(int slot, int64_t tokens) {
   host_pos_[static_cast<size_t>(slot)] = tokens;
 }
 
+void CudaBackbone::set_position(int slot, int64_t position) {
+  pool_->set_position(slot, position, stream_);
+  host_pos_[static_cast<size_t>(slot)] = position;
+}
+
 int64_t CudaBackbone::position(int slot) const {
   K3_CHECK(slot >= 0 && slot < pool_->slots(), "slot ", slot, " outside the pool");
   return host_pos_[static_cast<size_t>(slot)];

@@ -52,6 +52,12 @@ class CudaBackbone {
   // Zeroes a slot for a new request (ordered before the next step).
   void reset_slot(int slot);
   int64_t position(int slot) const;  // tokens the slot has consumed (host mirror, no sync)
+  // Speculative verify support (SlotPool's snapshots): keep / restore slot s's KDA state as
+  // copy `index`, and move its position back to an accepted length.
+  void reserve_snapshots(int n) { pool_->reserve_snapshots(n); }
+  void save_kda(int slot, int index) { pool_->save_kda(slot, index, stream_); }
+  void restore_kda(int slot, int index) { pool_->restore_kda(slot, index, stream_); }
+  void set_position(int slot, int64_t position);
   // Benchmarks: slot s as if `tokens` tokens had been decoded (SlotPool::fill_synthetic).
   void assume_context(int slot, int64_t tokens);
 

@@ -50,6 +50,8 @@ class CudaBackend final : public serve::StepBackend {
     o.max_rows = std::min(d.max_num_seqs, 64);
     backbone_ = std::make_unique<CudaBackbone>(cfg, model_->weights, o);
     for (int s = d.max_num_seqs - 1; s >= 0; --s) free_->free.push_back(s);
+    verify_start_.assign(static_cast<size_t>(d.max_num_seqs), 0);
+    verify_q_.assign(static_cast<size_t>(d.max_num_seqs), 0);
   }
 
   const ModelConfig& config() const override { return model_->config; }
@@ -68,14 +70,69 @@ class CudaBackend final : public serve::StepBackend {
   // Position t of every row that has a t-th token runs as one batched step (in groups of at
   // most max_rows); logits of a row's last token are copied out.
   void forward(std::span<const serve::StepRow> rows) override {
-    size_t longest = 0;
+    std::vector<Row> rs;
     for (const auto& r : rows) {
-      K3_CHECK(dynamic_cast<CudaSlot*>(r.state) != nullptr, "CUDA backend: a state from another backend");
-      longest = std::max(longest, r.tokens.size());
+      K3_CHECK(r.hidden == nullptr, "the CUDA backend does not export hidden states (draft-model "
+                                    "speculation runs on the CPU backend)");
+      rs.push_back({slot_of(r.state), r.tokens, r.logits, /*all_logits=*/false});
     }
+    run(rs, /*snapshots=*/false);
+  }
+
+  // Speculative verify (stock path): the q tokens of each row run as q batched steps; the logits
+  // after every token are copied out and each row's KDA state is kept after each of its first
+  // q - 1 tokens, so commit() restores the accepted prefix's state without recomputing it.
+  bool supports_verify() const override { return true; }
+  void verify(std::span<const serve::VerifyRow> rows) override {
+    std::vector<Row> rs;
+    size_t q_max = 0;
+    for (const auto& r : rows) {
+      K3_CHECK(r.hidden == nullptr, "the CUDA backend does not export hidden states (draft-model "
+                                    "speculation runs on the CPU backend)");
+      K3_CHECK(!r.tokens.empty(), "a verify row needs at least one token");
+      const int s = slot_of(r.state);
+      rs.push_back({s, r.tokens, r.logits, /*all_logits=*/true});
+      q_max = std::max(q_max, r.tokens.size());
+      verify_start_[static_cast<size_t>(s)] = backbone_->position(s);
+      verify_q_[static_cast<size_t>(s)] = static_cast<int64_t>(r.tokens.size());
+    }
+    if (q_max > 1) backbone_->reserve_snapshots(static_cast<int>(q_max) - 1);
+    run(rs, /*snapshots=*/true);
+  }
+  void commit(serve::SlotState& state, int64_t consumed) override {
+    const int s = slot_of(&state);
+    const int64_t q = verify_q_[static_cast<size_t>(s)];
+    K3_CHECK(q > 0, "commit without a verify step on this slot");
+    K3_CHECK(consumed >= 1 && consumed <= q, "commit of ", consumed, " tokens after a verify of ",
+             q);
+    if (consumed < q) {
+      backbone_->restore_kda(s, static_cast<int>(consumed) - 1);
+      backbone_->set_position(s, verify_start_[static_cast<size_t>(s)] + consumed);
+    }
+    verify_q_[static_cast<size_t>(s)] = 0;
+  }
+
+  void reset(int slot) { backbone_->reset_slot(slot); }
+  int64_t position(int slot) const { return backbone_->position(slot); }
+
+ private:
+  struct Row {
+    int slot;
+    std::span<const int64_t> tokens;
+    float* logits;    // [tokens][vocab] (all_logits) or [vocab] after the last token, or null
+    bool all_logits;
+  };
+  static int slot_of(serve::SlotState* state) {
+    auto* s = dynamic_cast<CudaSlot*>(state);
+    K3_CHECK(s != nullptr, "CUDA backend: a state from another backend");
+    return s->slot();
+  }
+  void run(const std::vector<Row>& rows, bool snapshots) {
+    size_t longest = 0;
+    for (const auto& r : rows) longest = std::max(longest, r.tokens.size());
     const int64_t V = vocab_size();
     std::vector<int32_t> slots, toks;
-    std::vector<const serve::StepRow*> members;
+    std::vector<const Row*> members;
     std::vector<float> logits;
     for (size_t t = 0; t < longest; ++t) {
       for (size_t i = 0; i < rows.size();) {
@@ -83,32 +140,35 @@ class CudaBackend final : public serve::StepBackend {
         toks.clear();
         members.clear();
         for (; i < rows.size() && static_cast<int>(slots.size()) < backbone_->max_rows(); ++i) {
-          const serve::StepRow& r = rows[i];
-          if (t >= r.tokens.size()) continue;
-          slots.push_back(static_cast<CudaSlot*>(r.state)->slot());
-          toks.push_back(static_cast<int32_t>(r.tokens[t]));
-          members.push_back(&r);
+          if (t >= rows[i].tokens.size()) continue;
+          slots.push_back(rows[i].slot);
+          toks.push_back(static_cast<int32_t>(rows[i].tokens[t]));
+          members.push_back(&rows[i]);
         }
         if (slots.empty()) continue;
         backbone_->step(slots, toks);
-        bool any_logits = false;
-        for (const auto* r : members) any_logits |= r->logits && t + 1 == r->tokens.size();
-        if (!any_logits) continue;
+        const auto wants = [&](const Row* r) {
+          return r->logits && (r->all_logits || t + 1 == r->tokens.size());
+        };
+        bool any = false;
+        for (const Row* r : members) {
+          any |= wants(r);
+          if (snapshots && t + 1 < r->tokens.size()) backbone_->save_kda(r->slot, static_cast<int>(t));
+        }
+        if (!any) continue;
         logits.resize(static_cast<size_t>(V) * members.size());
         backbone_->logits_to_host(static_cast<int64_t>(members.size()), logits.data());
         for (size_t m = 0; m < members.size(); ++m)
-          if (members[m]->logits && t + 1 == members[m]->tokens.size())
-            std::copy_n(logits.data() + m * V, V, members[m]->logits);
+          if (wants(members[m]))
+            std::copy_n(logits.data() + m * V, V,
+                        members[m]->logits + (members[m]->all_logits ? t * V : 0));
       }
     }
   }
 
-  void reset(int slot) { backbone_->reset_slot(slot); }
-  int64_t position(int slot) const { return backbone_->position(slot); }
-
- private:
   std::unique_ptr<LoadedModel> model_;
   std::unique_ptr<CudaBackbone> backbone_;
+  std::vector<int64_t> verify_start_, verify_q_;  // [slots] the last verify of each slot
   std::shared_ptr<FreeSlots> free_ = std::make_shared<FreeSlots>();
 };
 

@@ -89,6 +89,61 @@ void SlotPool::reset(int slot, cudaStream_t stream) {
   K3_CUDA_CHECK(cudaMemsetAsync(positions_.data() + s, 0, sizeof(int32_t), stream));
 }
 
+void SlotPool::reserve_snapshots(int n) {
+  if (n <= snapshots_) return;
+  const size_t S = static_cast<size_t>(shape_.slots), N = static_cast<size_t>(n);
+  conv_snap_.resize(conv_.size());
+  recurrent_snap_.resize(recurrent_.size());
+  for (size_t l = 0; l < conv_.size(); ++l) {
+    if (conv_[l].empty()) continue;
+    conv_snap_[l] = DeviceBuffer<__nv_bfloat16>(N * S * conv_per_slot_);
+    recurrent_snap_[l] = DeviceBuffer<uint8_t>(N * S * recurrent_bytes_per_slot_);
+  }
+  snapshots_ = n;
+}
+
+void SlotPool::save_kda(int slot, int index, cudaStream_t stream) {
+  K3_CHECK(slot >= 0 && slot < shape_.slots && index >= 0 && index < snapshots_, "save_kda: slot ",
+           slot, " snapshot ", index, " (", snapshots_, " reserved)");
+  const size_t s = static_cast<size_t>(slot), i = static_cast<size_t>(index) * shape_.slots + s;
+  for (size_t l = 0; l < conv_.size(); ++l) {
+    if (conv_[l].empty()) continue;
+    K3_CUDA_CHECK(cudaMemcpyAsync(conv_snap_[l].data() + i * conv_per_slot_,
+                                  conv_[l].data() + s * conv_per_slot_,
+                                  conv_per_slot_ * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice,
+                                  stream));
+    K3_CUDA_CHECK(cudaMemcpyAsync(recurrent_snap_[l].data() + i * recurrent_bytes_per_slot_,
+                                  recurrent_[l].data() + s * recurrent_bytes_per_slot_,
+                                  recurrent_bytes_per_slot_, cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
+void SlotPool::restore_kda(int slot, int index, cudaStream_t stream) {
+  K3_CHECK(slot >= 0 && slot < shape_.slots && index >= 0 && index < snapshots_,
+           "restore_kda: slot ", slot, " snapshot ", index, " (", snapshots_, " reserved)");
+  const size_t s = static_cast<size_t>(slot), i = static_cast<size_t>(index) * shape_.slots + s;
+  for (size_t l = 0; l < conv_.size(); ++l) {
+    if (conv_[l].empty()) continue;
+    K3_CUDA_CHECK(cudaMemcpyAsync(conv_[l].data() + s * conv_per_slot_,
+                                  conv_snap_[l].data() + i * conv_per_slot_,
+                                  conv_per_slot_ * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice,
+                                  stream));
+    K3_CUDA_CHECK(cudaMemcpyAsync(recurrent_[l].data() + s * recurrent_bytes_per_slot_,
+                                  recurrent_snap_[l].data() + i * recurrent_bytes_per_slot_,
+                                  recurrent_bytes_per_slot_, cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
+void SlotPool::set_position(int slot, int64_t position, cudaStream_t stream) {
+  K3_CHECK(slot >= 0 && slot < shape_.slots, "slot ", slot, " outside the pool");
+  K3_CHECK(position >= 0 && position <= shape_.max_context, "position ", position,
+           " outside the context of ", shape_.max_context);
+  const int32_t pos = static_cast<int32_t>(position);
+  K3_CUDA_CHECK(cudaMemcpyAsync(positions_.data() + slot, &pos, sizeof(pos),
+                                cudaMemcpyHostToDevice, stream));
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream));  // `pos` is a host local
+}
+
 namespace {
 
 __device__ uint32_t hash32(uint64_t x) {

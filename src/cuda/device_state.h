@@ -47,6 +47,16 @@ class SlotPool {
   // its position is `tokens`. KDA state is left as it is.
   void fill_synthetic(int slot, int64_t tokens, cudaStream_t stream);
 
+  // Speculative verify: copies of a slot's KDA state (conv + recurrent, every KDA layer) after
+  // a verify row's tokens, so an accepted prefix is committed by restoring one (no recompute).
+  // reserve_snapshots(n) allocates n copies per slot (once; grows only); index < n.
+  void reserve_snapshots(int n);
+  void save_kda(int slot, int index, cudaStream_t stream);
+  void restore_kda(int slot, int index, cudaStream_t stream);
+  // Sets slot s's position (ordered on `stream`; waits for the copy). Cache entries at or past
+  // it are dead: attention reads positions below the length only, later tokens overwrite them.
+  void set_position(int slot, int64_t position, cudaStream_t stream);
+
   int32_t* positions() { return positions_.data(); }  // [slots] int32: tokens consumed
   const int32_t* block_table() const { return block_table_.data(); }  // [slots][pages_per_slot]
 
@@ -76,6 +86,9 @@ class SlotPool {
   std::vector<DeviceBuffer<uint8_t>> recurrent_;
   std::vector<DeviceBuffer<__nv_bfloat16>> latent_;
   std::vector<DeviceBuffer<uint8_t>> packed_;
+  int snapshots_ = 0;
+  std::vector<DeviceBuffer<__nv_bfloat16>> conv_snap_;  // per layer [snapshots][slots][conv]
+  std::vector<DeviceBuffer<uint8_t>> recurrent_snap_;   // per layer [snapshots][slots][state]
   DeviceBuffer<__nv_bfloat16> scratch_;
   std::vector<DeviceBuffer<uint8_t>> index_keys_;
   std::vector<DeviceBuffer<float>> index_scales_;
