@@ -62,18 +62,26 @@ Args parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string k = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : "";
-    if (k == "--layers") a.layers = std::atoi(v), ++i;
-    else if (k == "--tp") a.tp = std::atoi(v), ++i;
-    else if (k == "--experts") a.experts = std::atoi(v), ++i;
-    else if (k == "--replays") a.replays = std::atoi(v), ++i;
-    else if (k == "--dir") a.dir = v, ++i;
-    else if (k == "--dsa") a.dsa = true;
+    if (k == "--layers")
+      a.layers = std::atoi(v), ++i;
+    else if (k == "--tp")
+      a.tp = std::atoi(v), ++i;
+    else if (k == "--experts")
+      a.experts = std::atoi(v), ++i;
+    else if (k == "--replays")
+      a.replays = std::atoi(v), ++i;
+    else if (k == "--dir")
+      a.dir = v, ++i;
+    else if (k == "--dsa")
+      a.dsa = true;
     else if (k == "--batch") {
       a.batches.clear();
       for (int64_t b : parse_list(v)) a.batches.push_back(static_cast<int>(b));
       ++i;
-    } else if (k == "--context") a.contexts = parse_list(v), ++i;
-    else fail("unknown argument ", k);
+    } else if (k == "--context")
+      a.contexts = parse_list(v), ++i;
+    else
+      fail("unknown argument ", k);
   }
   return a;
 }
@@ -97,8 +105,8 @@ ModelConfig rank_config(const Args& a) {
 }
 
 struct Floor {
-  double fixed = 0;       // weights every step reads
-  double expert = 0;      // one routed expert (w1 + w3 + w2)
+  double fixed = 0;   // weights every step reads
+  double expert = 0;  // one routed expert (w1 + w3 + w2)
   int moe_layers = 0, mla_layers = 0, kda_layers = 0;
   double kda_state = 0;   // per row per KDA layer, read + write
   double latent_row = 0;  // per cached token per MLA layer
@@ -113,14 +121,14 @@ Floor floor_of(const ModelConfig& c, const ModelWeights& w) {
   for (const LayerWeights& L : w.layers) {
     if (L.kind == LayerKind::KDA) {
       ++f.kda_layers;
-      for (const WeightMatrix* m : {&L.kda.q_proj, &L.kda.k_proj, &L.kda.v_proj, &L.kda.f_a,
-                                    &L.kda.f_b, &L.kda.b_proj, &L.kda.g_proj, &L.kda.g_a,
-                                    &L.kda.g_b, &L.kda.o_proj})
+      for (const WeightMatrix* m :
+           {&L.kda.q_proj, &L.kda.k_proj, &L.kda.v_proj, &L.kda.f_a, &L.kda.f_b, &L.kda.b_proj,
+            &L.kda.g_proj, &L.kda.g_a, &L.kda.g_b, &L.kda.o_proj})
         add(*m);
     } else {
       ++f.mla_layers;
-      for (const WeightMatrix* m : {&L.mla.q_a, &L.mla.q_b, &L.mla.q_proj, &L.mla.kv_a,
-                                    &L.mla.kv_b, &L.mla.g_proj, &L.mla.o_proj})
+      for (const WeightMatrix* m : {&L.mla.q_a, &L.mla.q_b, &L.mla.q_proj, &L.mla.kv_a, &L.mla.kv_b,
+                                    &L.mla.g_proj, &L.mla.o_proj})
         add(*m);
       if (L.mla.indexer)
         for (const WeightMatrix* m :
@@ -133,8 +141,8 @@ Floor floor_of(const ModelConfig& c, const ModelWeights& w) {
                                     &L.moe_w.shared_gate, &L.moe_w.shared_up, &L.moe_w.shared_down})
         add(*m);
       const ExpertWeights& e = L.moe_w.experts[0];
-      f.expert = static_cast<double>(e.w1.storage_bytes() + e.w3.storage_bytes() +
-                                     e.w2.storage_bytes());
+      f.expert =
+          static_cast<double>(e.w1.storage_bytes() + e.w3.storage_bytes() + e.w2.storage_bytes());
     } else {
       for (const WeightMatrix* m : {&L.dense.gate, &L.dense.up, &L.dense.down}) add(*m);
     }
@@ -163,12 +171,12 @@ int run(const Args& a) {
   }
   const ModelConfig cfg = rank_config(a);
   const std::string dir =
-      a.dir.empty() ? (std::filesystem::temp_directory_path() /
-                       ("k3_bench_step_l" + std::to_string(a.layers) + "_tp" +
-                        std::to_string(a.tp) + "_e" + std::to_string(a.experts) +
-                        (a.dsa ? "_dsa" : "")))
-                          .string()
-                    : a.dir;
+      a.dir.empty()
+          ? (std::filesystem::temp_directory_path() /
+             ("k3_bench_step_l" + std::to_string(a.layers) + "_tp" + std::to_string(a.tp) + "_e" +
+              std::to_string(a.experts) + (a.dsa ? "_dsa" : "")))
+                .string()
+          : a.dir;
   const auto t0 = std::chrono::steady_clock::now();
   if (!std::filesystem::exists(std::filesystem::path(dir) / "config.json")) {
     SynthOptions so;
@@ -186,12 +194,13 @@ int run(const Args& a) {
   cuda::CudaBackbone bb(model->config, model->weights, o);
   const auto t2 = std::chrono::steady_clock::now();
   const Floor fl = floor_of(model->config, model->weights);
-  std::printf("k3_bench_step: %s, %d layers (%d KDA, %d MLA), TP%d rank, %d experts, top-%d, "
-              "weights on GPU %.2f GB; synth+load %.1f s, upload %.1f s\n",
-              a.dsa ? "k3.1" : "k3", cfg.num_hidden_layers, fl.kda_layers, fl.mla_layers, a.tp,
-              static_cast<int>(cfg.num_experts), cfg.num_experts_per_token,
-              bb.weight_bytes() / 1e9, std::chrono::duration<double>(t1 - t0).count(),
-              std::chrono::duration<double>(t2 - t1).count());
+  std::printf(
+      "k3_bench_step: %s, %d layers (%d KDA, %d MLA), TP%d rank, %d experts, top-%d, "
+      "weights on GPU %.2f GB; synth+load %.1f s, upload %.1f s\n",
+      a.dsa ? "k3.1" : "k3", cfg.num_hidden_layers, fl.kda_layers, fl.mla_layers, a.tp,
+      static_cast<int>(cfg.num_experts), cfg.num_experts_per_token, bb.weight_bytes() / 1e9,
+      std::chrono::duration<double>(t1 - t0).count(),
+      std::chrono::duration<double>(t2 - t1).count());
 
   cuda::DeviceBuffer<uint8_t> flush(256u << 20);
   cudaEvent_t e0, e1;

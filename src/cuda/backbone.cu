@@ -109,7 +109,8 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
     K3_CHECK(host_pos_[static_cast<size_t>(s)] < opt_.pool.max_context, "context length ",
              opt_.pool.max_context, " exceeded in slot ", s);
   }
-  for (int64_t r = 0; r < rows; ++r) ++host_pos_[static_cast<size_t>(slots[static_cast<size_t>(r)])];
+  for (int64_t r = 0; r < rows; ++r)
+    ++host_pos_[static_cast<size_t>(slots[static_cast<size_t>(r)])];
 
   // The pinned staging buffer is reused: the previous step's copy must have left it.
   K3_CUDA_CHECK(cudaEventSynchronize(inputs_copied_));
@@ -153,7 +154,8 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
 }
 
 void CudaBackbone::logits_to_host(int64_t rows, float* out) {
-  copy_to_host_async(out, buf_->logits.data(), static_cast<size_t>(rows * cfg_.vocab_size), stream_);
+  copy_to_host_async(out, buf_->logits.data(), static_cast<size_t>(rows * cfg_.vocab_size),
+                     stream_);
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -180,8 +182,7 @@ void CudaBackbone::mix(int n_blocks, const float* score_w, int64_t rows, __nv_bf
   K3_CHECK(n_blocks + 1 <= AttnResSources::kMax, "AttnRes bank of ", n_blocks, " blocks");
   for (int j = 0; j < n_blocks; ++j) src.src[j] = buf_->bank_block(j);
   src.src[n_blocks] = buf_->P.data();
-  attn_res_mix(src, n_blocks + 1, H, score_w, rows, H, cfg_.rms_norm_eps, out, H, nullptr,
-               stream_);
+  attn_res_mix(src, n_blocks + 1, H, score_w, rows, H, cfg_.rms_norm_eps, out, H, nullptr, stream_);
 }
 
 void CudaBackbone::enqueue(int64_t R) {
@@ -189,9 +190,8 @@ void CudaBackbone::enqueue(int64_t R) {
   const DeviceWeights& W = *weights_;
   const int64_t H = cfg_.hidden_size;
   const float eps = cfg_.rms_norm_eps;
-  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(),
-               pool_->pages_per_slot(), b.row_pos.data(), b.row_seq.data(), b.row_table.data(),
-               stream_);
+  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(), pool_->pages_per_slot(),
+               b.row_pos.data(), b.row_seq.data(), b.row_table.data(), stream_);
   embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
 
   int n_blocks = 0;
@@ -245,7 +245,8 @@ void CudaBackbone::enqueue(int64_t R) {
     hsrc = b.h.data();
   }
   rms_norm(hsrc, H, W.final_norm, R, H, eps, b.x.data(), H, stream_);
-  linear(W.lm_head, b.x.data(), H, R, buf_->logits.data(), cfg_.vocab_size, /*y_fp32=*/true, stream_);
+  linear(W.lm_head, b.x.data(), H, R, buf_->logits.data(), cfg_.vocab_size, /*y_fp32=*/true,
+         stream_);
   advance_rows(b.slots.data(), R, pool_->positions(), stream_);
 }
 

@@ -100,7 +100,8 @@ class CudaBackbone {
   std::map<int64_t, bool> ran_eager_;
   std::vector<int64_t> host_pos_;
   LayerTap tap_;
-  void tap(int layer, const char* part, int64_t rows);  // [slots] positions as the host has enqueued them
+  void tap(int layer, const char* part,
+           int64_t rows);       // [slots] positions as the host has enqueued them
   int32_t* host_in_ = nullptr;  // pinned [2][max_rows]: slots then tokens
   cudaEvent_t inputs_copied_ = nullptr;
 };

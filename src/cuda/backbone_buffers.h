@@ -23,14 +23,16 @@ struct CudaBackbone::Buffers {
 
   int64_t max_rows = 0, hidden = 0;
   // Step inputs and per-row values derived on the device.
-  DeviceBuffer<int32_t> slots, tokens;  // [rows] int32
+  DeviceBuffer<int32_t> slots, tokens;     // [rows] int32
   DeviceBuffer<int32_t> row_pos, row_seq;  // [rows] int32
   DeviceBuffer<int32_t> row_table;         // [rows][pages_per_slot] int32
   DeviceBuffer<int32_t> ids;               // [rows] int32 greedy ids
   // Residual stream and the AttnRes bank.
   DeviceBuffer<__nv_bfloat16> P, h, x, sub;  // [rows][hidden] bf16
   DeviceBuffer<__nv_bfloat16> bank;          // [blocks][rows][hidden] bf16
-  __nv_bfloat16* bank_block(int j) { return bank.data() + static_cast<int64_t>(j) * max_rows * hidden; }
+  __nv_bfloat16* bank_block(int j) {
+    return bank.data() + static_cast<int64_t>(j) * max_rows * hidden;
+  }
   // KDA.
   DeviceBuffer<__nv_bfloat16> kda_u;      // [rows][3][P] bf16
   DeviceBuffer<__nv_bfloat16> kda_fa;     // [rows][f_a rows] bf16
@@ -57,25 +59,25 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<int32_t> dsa_nsel;         // [rows] int32
   DeviceBuffer<uint8_t> dsa_ws;           // top-k workspace
   // MoE and dense FFN.
-  DeviceBuffer<float> router_logits;      // [rows][E] fp32
-  DeviceBuffer<int32_t> expert_ids;       // [rows][top_k] int32
-  DeviceBuffer<float> expert_w;           // [rows][top_k] fp32
+  DeviceBuffer<float> router_logits;  // [rows][E] fp32
+  DeviceBuffer<int32_t> expert_ids;   // [rows][top_k] int32
+  DeviceBuffer<float> expert_w;       // [rows][top_k] fp32
   // The pairs grouped by expert (moe_dispatch.h): one grouped-GEMM slot per expert.
-  DeviceBuffer<int32_t> group_expert;     // [E] int32 expert id or -1
-  DeviceBuffer<int32_t> group_offsets;    // [E + 1] int32
-  DeviceBuffer<int32_t> group_rows;       // [rows * top_k] int32 token row per grouped position
-  DeviceBuffer<int32_t> group_pos;        // [rows * top_k] int32 grouped position of (r, j)
-  DeviceBuffer<__nv_bfloat16> moe_z;      // [rows][L] bf16 latent input
-  DeviceBuffer<float> moe_g32, moe_u32;   // [rows * top_k][inter] fp32 gate / up outputs
-  DeviceBuffer<__nv_bfloat16> moe_h;      // [rows * top_k][inter] bf16 activation
-  DeviceBuffer<__nv_bfloat16> moe_y;      // [rows * top_k][L] bf16, expert-grouped order
-  DeviceBuffer<__nv_bfloat16> moe_acc;    // [rows][L] bf16
+  DeviceBuffer<int32_t> group_expert;      // [E] int32 expert id or -1
+  DeviceBuffer<int32_t> group_offsets;     // [E + 1] int32
+  DeviceBuffer<int32_t> group_rows;        // [rows * top_k] int32 token row per grouped position
+  DeviceBuffer<int32_t> group_pos;         // [rows * top_k] int32 grouped position of (r, j)
+  DeviceBuffer<__nv_bfloat16> moe_z;       // [rows][L] bf16 latent input
+  DeviceBuffer<float> moe_g32, moe_u32;    // [rows * top_k][inter] fp32 gate / up outputs
+  DeviceBuffer<__nv_bfloat16> moe_h;       // [rows * top_k][inter] bf16 activation
+  DeviceBuffer<__nv_bfloat16> moe_y;       // [rows * top_k][L] bf16, expert-grouped order
+  DeviceBuffer<__nv_bfloat16> moe_acc;     // [rows][L] bf16
   DeviceBuffer<__nv_bfloat16> moe_routed;  // [rows][hidden] bf16
   // Gate / up outputs stay fp32 up to the activation (cpu glu_mlp rounds only its output).
   DeviceBuffer<float> ffn_g32, ffn_u32;  // [rows][max(dense I, shared I)] fp32
   DeviceBuffer<__nv_bfloat16> ffn_h;     // [rows][max(dense I, shared I)] bf16
-  DeviceBuffer<__nv_bfloat16> shared;        // [rows][hidden] bf16
-  DeviceBuffer<float> logits;                // [rows][vocab] fp32
+  DeviceBuffer<__nv_bfloat16> shared;    // [rows][hidden] bf16
+  DeviceBuffer<float> logits;            // [rows][vocab] fp32
 };
 
 }  // namespace k3::cuda

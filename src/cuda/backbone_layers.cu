@@ -130,9 +130,9 @@ void CudaBackbone::attn_mla(int l, int64_t R) {
   } else {
     // Packed kv_cache_dtype: append in the format, then dequantize the rows' contexts into the
     // shared bf16 scratch the attention kernel reads (plain path: 2 extra passes over the cache).
-    latent_cache_append(pool_->latent_format(), b.mla_kv.data(), R, kvl, rope,
-                        b.row_table.data(), pool_->pages_per_slot(), b.row_pos.data(),
-                        pool_->page_size(), pool_->latent_packed(l), stream_);
+    latent_cache_append(pool_->latent_format(), b.mla_kv.data(), R, kvl, rope, b.row_table.data(),
+                        pool_->pages_per_slot(), b.row_pos.data(), pool_->page_size(),
+                        pool_->latent_packed(l), stream_);
     latent_cache_to_bf16(pool_->latent_format(), pool_->latent_packed(l), kvl, rope,
                          b.row_table.data(), pool_->pages_per_slot(), b.row_seq.data(), R,
                          pool_->page_size(), pool_->latent(l), stream_);
@@ -149,8 +149,8 @@ void CudaBackbone::attn_mla(int l, int64_t R) {
                b.mla_q_pe.data(), stream_);
   mla_decode(mla_plan(R), b.mla_q_abs.data(), b.mla_q_pe.data(), pool_->latent(l),
              b.row_table.data(), b.row_seq.data(), selected, n_selected,
-             1.0f / std::sqrt(static_cast<float>(nope + rope)), b.mla_ws.data(),
-             b.mla_o_lat.data(), /*o_bf16=*/false, stream_);
+             1.0f / std::sqrt(static_cast<float>(nope + rope)), b.mla_ws.data(), b.mla_o_lat.data(),
+             /*o_bf16=*/false, stream_);
   const __nv_bfloat16* gate = nullptr;
   if (!m.g_proj.empty()) {
     linear(m.g_proj, b.x.data(), H, R, b.mla_gate.data(), static_cast<int64_t>(nh) * vd, false,
@@ -202,8 +202,8 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   }
   const int n = static_cast<int>(R * k), nE = static_cast<int>(E), rows = static_cast<int>(R);
   const int64_t I = m.inter;
-  moe_group_by_expert(b.expert_ids.data(), R, k, nE, b.group_expert.data(),
-                      b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(), stream_);
+  moe_group_by_expert(b.expert_ids.data(), R, k, nE, b.group_expert.data(), b.group_offsets.data(),
+                      b.group_rows.data(), b.group_pos.data(), stream_);
   expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(), b.group_offsets.data(),
                 b.group_rows.data(), nE, rows, z, L, I, L, b.moe_g32.data(), true, stream_);
   expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(), b.group_offsets.data(),

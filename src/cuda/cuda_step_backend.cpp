@@ -37,11 +37,14 @@ class CudaSlot final : public serve::SlotState {
 
 class CudaBackend final : public serve::StepBackend {
  public:
-  CudaBackend(std::unique_ptr<LoadedModel> model, const DeployConfig& d) : model_(std::move(model)) {
+  CudaBackend(std::unique_ptr<LoadedModel> model, const DeployConfig& d)
+      : model_(std::move(model)) {
     const ModelConfig& cfg = model_->config;
     const KdaDtypes kd = kda_dtypes(cfg, d);
-    K3_CHECK(kd.conv == DType::BF16, "the CUDA KDA kernel keeps its conv state in bfloat16; "
-             "mamba_cache_dtype asks for ", dtype_name(kd.conv));
+    K3_CHECK(kd.conv == DType::BF16,
+             "the CUDA KDA kernel keeps its conv state in bfloat16; "
+             "mamba_cache_dtype asks for ",
+             dtype_name(kd.conv));
     CudaBackboneOptions o;
     o.pool.slots = d.max_num_seqs;
     o.pool.max_context = d.max_model_len > 0 ? d.max_model_len : cfg.max_position_embeddings;
@@ -72,8 +75,9 @@ class CudaBackend final : public serve::StepBackend {
   void forward(std::span<const serve::StepRow> rows) override {
     std::vector<Row> rs;
     for (const auto& r : rows) {
-      K3_CHECK(r.hidden == nullptr, "the CUDA backend does not export hidden states (draft-model "
-                                    "speculation runs on the CPU backend)");
+      K3_CHECK(r.hidden == nullptr,
+               "the CUDA backend does not export hidden states (draft-model "
+               "speculation runs on the CPU backend)");
       rs.push_back({slot_of(r.state), r.tokens, r.logits, /*all_logits=*/false});
     }
     run(rs, /*snapshots=*/false);
@@ -87,8 +91,9 @@ class CudaBackend final : public serve::StepBackend {
     std::vector<Row> rs;
     size_t q_max = 0;
     for (const auto& r : rows) {
-      K3_CHECK(r.hidden == nullptr, "the CUDA backend does not export hidden states (draft-model "
-                                    "speculation runs on the CPU backend)");
+      K3_CHECK(r.hidden == nullptr,
+               "the CUDA backend does not export hidden states (draft-model "
+               "speculation runs on the CPU backend)");
       K3_CHECK(!r.tokens.empty(), "a verify row needs at least one token");
       const int s = slot_of(r.state);
       rs.push_back({s, r.tokens, r.logits, /*all_logits=*/true});
@@ -119,7 +124,7 @@ class CudaBackend final : public serve::StepBackend {
   struct Row {
     int slot;
     std::span<const int64_t> tokens;
-    float* logits;    // [tokens][vocab] (all_logits) or [vocab] after the last token, or null
+    float* logits;  // [tokens][vocab] (all_logits) or [vocab] after the last token, or null
     bool all_logits;
   };
   static int slot_of(serve::SlotState* state) {
@@ -153,7 +158,8 @@ class CudaBackend final : public serve::StepBackend {
         bool any = false;
         for (const Row* r : members) {
           any |= wants(r);
-          if (snapshots && t + 1 < r->tokens.size()) backbone_->save_kda(r->slot, static_cast<int>(t));
+          if (snapshots && t + 1 < r->tokens.size())
+            backbone_->save_kda(r->slot, static_cast<int>(t));
         }
         if (!any) continue;
         logits.resize(static_cast<size_t>(V) * members.size());

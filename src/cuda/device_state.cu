@@ -29,7 +29,8 @@ SlotPool::SlotPool(const ModelConfig& cfg, const SlotPoolShape& shape) : shape_(
   const size_t P = static_cast<size_t>(cfg.kda_proj_dim());
   const size_t D = static_cast<size_t>(la.head_dim);
   conv_per_slot_ = 3 * P * static_cast<size_t>(la.short_conv_kernel_size - 1);
-  recurrent_bytes_per_slot_ = static_cast<size_t>(la.num_heads) * D * D * dtype_size(shape.recurrent);
+  recurrent_bytes_per_slot_ =
+      static_cast<size_t>(la.num_heads) * D * D * dtype_size(shape.recurrent);
   const size_t latent_w = static_cast<size_t>(cfg.kv_lora_rank + cfg.qk_rope_head_dim);
   const size_t hd = static_cast<size_t>(cfg.dsa_config.index_head_dim);
   const size_t blocks = (hd + 127) / 128;  // one fp32 scale per 128 values
@@ -108,10 +109,9 @@ void SlotPool::save_kda(int slot, int index, cudaStream_t stream) {
   const size_t s = static_cast<size_t>(slot), i = static_cast<size_t>(index) * shape_.slots + s;
   for (size_t l = 0; l < conv_.size(); ++l) {
     if (conv_[l].empty()) continue;
-    K3_CUDA_CHECK(cudaMemcpyAsync(conv_snap_[l].data() + i * conv_per_slot_,
-                                  conv_[l].data() + s * conv_per_slot_,
-                                  conv_per_slot_ * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice,
-                                  stream));
+    K3_CUDA_CHECK(cudaMemcpyAsync(
+        conv_snap_[l].data() + i * conv_per_slot_, conv_[l].data() + s * conv_per_slot_,
+        conv_per_slot_ * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
     K3_CUDA_CHECK(cudaMemcpyAsync(recurrent_snap_[l].data() + i * recurrent_bytes_per_slot_,
                                   recurrent_[l].data() + s * recurrent_bytes_per_slot_,
                                   recurrent_bytes_per_slot_, cudaMemcpyDeviceToDevice, stream));
@@ -124,10 +124,9 @@ void SlotPool::restore_kda(int slot, int index, cudaStream_t stream) {
   const size_t s = static_cast<size_t>(slot), i = static_cast<size_t>(index) * shape_.slots + s;
   for (size_t l = 0; l < conv_.size(); ++l) {
     if (conv_[l].empty()) continue;
-    K3_CUDA_CHECK(cudaMemcpyAsync(conv_[l].data() + s * conv_per_slot_,
-                                  conv_snap_[l].data() + i * conv_per_slot_,
-                                  conv_per_slot_ * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice,
-                                  stream));
+    K3_CUDA_CHECK(cudaMemcpyAsync(
+        conv_[l].data() + s * conv_per_slot_, conv_snap_[l].data() + i * conv_per_slot_,
+        conv_per_slot_ * sizeof(__nv_bfloat16), cudaMemcpyDeviceToDevice, stream));
     K3_CUDA_CHECK(cudaMemcpyAsync(recurrent_[l].data() + s * recurrent_bytes_per_slot_,
                                   recurrent_snap_[l].data() + i * recurrent_bytes_per_slot_,
                                   recurrent_bytes_per_slot_, cudaMemcpyDeviceToDevice, stream));
@@ -139,8 +138,8 @@ void SlotPool::set_position(int slot, int64_t position, cudaStream_t stream) {
   K3_CHECK(position >= 0 && position <= shape_.max_context, "position ", position,
            " outside the context of ", shape_.max_context);
   const int32_t pos = static_cast<int32_t>(position);
-  K3_CUDA_CHECK(cudaMemcpyAsync(positions_.data() + slot, &pos, sizeof(pos),
-                                cudaMemcpyHostToDevice, stream));
+  K3_CUDA_CHECK(
+      cudaMemcpyAsync(positions_.data() + slot, &pos, sizeof(pos), cudaMemcpyHostToDevice, stream));
   K3_CUDA_CHECK(cudaStreamSynchronize(stream));  // `pos` is a host local
 }
 
@@ -195,12 +194,12 @@ void SlotPool::fill_synthetic(int slot, int64_t tokens, cudaStream_t stream) {
       K3_CUDA_CHECK_LAUNCH();
     }
     if (!index_keys_[l].empty()) {
-      const int64_t per_tok = static_cast<int64_t>(index_keys_[l].size()) /
-                              (static_cast<int64_t>(shape_.slots) * pages_per_slot_ *
-                               shape_.page_size);
-      const int64_t blocks = static_cast<int64_t>(index_scales_[l].size()) /
-                             (static_cast<int64_t>(shape_.slots) * pages_per_slot_ *
-                              shape_.page_size);
+      const int64_t per_tok =
+          static_cast<int64_t>(index_keys_[l].size()) /
+          (static_cast<int64_t>(shape_.slots) * pages_per_slot_ * shape_.page_size);
+      const int64_t blocks =
+          static_cast<int64_t>(index_scales_[l].size()) /
+          (static_cast<int64_t>(shape_.slots) * pages_per_slot_ * shape_.page_size);
       fill_pattern_kernel<<<1024, 256, 0, stream>>>(index_keys_[l].data() + first_token * per_tok,
                                                     first_token * per_tok, tokens * per_tok, true);
       K3_CUDA_CHECK_LAUNCH();
@@ -210,8 +209,8 @@ void SlotPool::fill_synthetic(int slot, int64_t tokens, cudaStream_t stream) {
     }
   }
   const int32_t pos = static_cast<int32_t>(tokens);
-  K3_CUDA_CHECK(cudaMemcpyAsync(positions_.data() + slot, &pos, sizeof(pos),
-                                cudaMemcpyHostToDevice, stream));
+  K3_CUDA_CHECK(
+      cudaMemcpyAsync(positions_.data() + slot, &pos, sizeof(pos), cudaMemcpyHostToDevice, stream));
   K3_CUDA_CHECK(cudaStreamSynchronize(stream));  // `pos` is a host local
 }
 

@@ -22,9 +22,9 @@ namespace k3::cuda {
 
 struct SlotPoolShape {
   int slots = 1;
-  int64_t max_context = 0;        // tokens per slot
-  int page_size = 64;             // tokens per cache page
-  DType recurrent = DType::F32;   // KDA recurrent state: F32 or BF16
+  int64_t max_context = 0;                             // tokens per slot
+  int page_size = 64;                                  // tokens per cache page
+  DType recurrent = DType::F32;                        // KDA recurrent state: F32 or BF16
   cpu::LatentFormat latent = cpu::LatentFormat::BF16;  // kv_cache_dtype (BF16, FP8, *_DS_MLA)
 };
 
@@ -60,7 +60,7 @@ class SlotPool {
   int32_t* positions() { return positions_.data(); }  // [slots] int32: tokens consumed
   const int32_t* block_table() const { return block_table_.data(); }  // [slots][pages_per_slot]
 
-  __nv_bfloat16* conv(int layer) { return conv_[idx(layer)].data(); }  // [slots][3][P][K-1] bf16
+  __nv_bfloat16* conv(int layer) { return conv_[idx(layer)].data(); }   // [slots][3][P][K-1] bf16
   void* recurrent(int layer) { return recurrent_[idx(layer)].data(); }  // [slots][h][D][D]
   cpu::LatentFormat latent_format() const { return shape_.latent; }
   // The bf16 latent cache attention reads, [pages][page][kv_lora + rope]: the layer's own cache
@@ -71,7 +71,7 @@ class SlotPool {
   }
   // Packed formats: the layer's cache, [pages][page][latent_entry_bytes] (null for BF16).
   uint8_t* latent_packed(int layer) { return packed_[idx(layer)].data(); }
-  uint8_t* index_keys(int layer) { return index_keys_[idx(layer)].data(); }  // [pages][page][hd]
+  uint8_t* index_keys(int layer) { return index_keys_[idx(layer)].data(); }    // [pages][page][hd]
   float* index_scales(int layer) { return index_scales_[idx(layer)].data(); }  // [pages][page][b]
   uint64_t bytes() const { return bytes_; }
 

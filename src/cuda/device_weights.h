@@ -20,8 +20,8 @@ namespace k3::cuda {
 struct DevMatrix {
   WeightFormat format = WeightFormat::BF16;  // BF16, MXFP4 or F32 (F16 is converted to bf16)
   int64_t rows = 0, cols = 0;
-  const void* data = nullptr;      // BF16: [rows, cols] bf16; F32: [rows, cols] fp32;
-                                   // MXFP4: [rows, cols/2] u8 packed
+  const void* data = nullptr;       // BF16: [rows, cols] bf16; F32: [rows, cols] fp32;
+                                    // MXFP4: [rows, cols/2] u8 packed
   const uint8_t* scales = nullptr;  // MXFP4: [rows, cols/32] u8 E8M0
   bool empty() const { return data == nullptr; }
   const __nv_bfloat16* bf16() const { return static_cast<const __nv_bfloat16*>(data); }
@@ -55,9 +55,9 @@ struct DevMla {
 };
 
 struct DevMoe {
-  DevMatrix gate;                     // router [E, H]
-  const float* score_bias = nullptr;  // [E] fp32 or null
-  DevMatrix latent_down, latent_up;   // [L, H], [H, L] (empty without latent MoE)
+  DevMatrix gate;                      // router [E, H]
+  const float* score_bias = nullptr;   // [E] fp32 or null
+  DevMatrix latent_down, latent_up;    // [L, H], [H, L] (empty without latent MoE)
   const float* latent_norm = nullptr;  // [L] fp32 or null
   DevMatrix shared_gate, shared_up, shared_down;
   WeightFormat expert_format = WeightFormat::MXFP4;  // MXFP4 or BF16 (all experts alike)
@@ -95,14 +95,14 @@ class DeviceWeights {
   DeviceWeights(const DeviceWeights&) = delete;
   DeviceWeights& operator=(const DeviceWeights&) = delete;
 
-  DevMatrix embed, lm_head;              // [V, H] bf16
-  const float* final_norm = nullptr;     // [H] fp32
+  DevMatrix embed, lm_head;                // [V, H] bf16
+  const float* final_norm = nullptr;       // [H] fp32
   const float* output_attn_res = nullptr;  // [H] fp32 or null
   std::vector<DevLayer> layers;
   uint64_t bytes() const { return bytes_; }  // device bytes held
 
  private:
-  DevMatrix upload(const WeightMatrix& m);                   // empty stays empty
+  DevMatrix upload(const WeightMatrix& m);                  // empty stays empty
   const float* upload_floats(const std::vector<float>& v);  // null when v is empty
   template <typename T>
   const T* keep(std::vector<T> host);

@@ -27,8 +27,8 @@ void add_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, __nv_bf
 // q_abs: [rows][heads][kv_lora] bf16 = bf16(sum_i q[r,h,i] * kv_b[h*(nope+v)+i, c]), fp32 sum
 // q_pe:  [rows][heads][rope] bf16 = q[r,h,nope:] (a copy)
 void mla_absorb_q(const __nv_bfloat16* q, const __nv_bfloat16* kv_b, int64_t rows, int heads,
-                  int nope, int rope, int v, int kv_lora, __nv_bfloat16* q_abs,
-                  __nv_bfloat16* q_pe, cudaStream_t stream);
+                  int nope, int rope, int v, int kv_lora, __nv_bfloat16* q_abs, __nv_bfloat16* q_pe,
+                  cudaStream_t stream);
 
 // MLA value up-projection and output gate (cpu layer_mla.cpp after the attention):
 // o_latent: [rows][heads][kv_lora] fp32 = sum_t p_t c_t (mla_decode output)
