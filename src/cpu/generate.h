@@ -28,4 +28,15 @@ struct GenerateResult {
 GenerateResult generate(const CpuBackbone& model, const GenerateRequest& req,
                         const std::function<void(int64_t token)>& on_token = {});
 
+// The loop every executor shares (CPU reference, multi-rank, any StepBackend): checks the request
+// against the context, calls prefill(prompt, logits) once, then samples with the request's seeded
+// Sampler, emits, stops on eos (unless ignore_eos) or max_new_tokens, and calls step(token,
+// logits) for the next one. logits: [vocab] fp32.
+using PrefillFn = std::function<void(const std::vector<int64_t>& prompt, float* logits)>;
+using StepFn = std::function<void(int64_t token, float* logits)>;
+GenerateResult generate_loop(const GenerateRequest& req, int64_t vocab,
+                             const std::vector<int64_t>& eos_ids, int64_t max_context,
+                             const PrefillFn& prefill, const StepFn& step,
+                             const std::function<void(int64_t token)>& on_token);
+
 }  // namespace k3::cpu

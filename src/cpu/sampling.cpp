@@ -42,7 +42,9 @@ int64_t argmax(const float* logits, int64_t n) {
   return best;
 }
 
-Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) { check_params(p); }
+Sampler::Sampler(const SamplingParams& p) : p_(p), rng_(p.seed) {
+  check_params(p);
+}
 
 int64_t Sampler::sample(const float* logits, int64_t vocab) {
   // logits: [vocab] fp32.
@@ -52,8 +54,7 @@ int64_t Sampler::sample(const float* logits, int64_t vocab) {
   return sample_checked(logits, vocab, p_, rng_.uniform());
 }
 
-int64_t sample_from_uniform(const float* logits, int64_t vocab, const SamplingParams& p,
-                            double u) {
+int64_t sample_from_uniform(const float* logits, int64_t vocab, const SamplingParams& p, double u) {
   // logits: [vocab] fp32.
   check_params(p);
   K3_CHECK(vocab > 0, "sampling over an empty vocabulary");
@@ -63,9 +64,10 @@ int64_t sample_from_uniform(const float* logits, int64_t vocab, const SamplingPa
   return sample_checked(logits, vocab, p, u);
 }
 
-namespace {
+namespace {}  // namespace
 
-int64_t sample_checked(const float* logits, int64_t vocab, const SamplingParams& p, double u01) {
+KeptDistribution kept_distribution(const float* logits, int64_t vocab, const SamplingParams& p) {
+  // logits: [vocab] fp32, no NaN (checked by the callers); p.temperature > 0.
   // Scaled logits in double: dividing a large logit by a tiny temperature must not overflow.
   std::vector<double> z(static_cast<size_t>(vocab));  // [vocab]
   for (int64_t i = 0; i < vocab; ++i)
@@ -104,6 +106,22 @@ int64_t sample_checked(const float* logits, int64_t vocab, const SamplingParams&
     }
     kept = n;
   }
+
+  KeptDistribution d;
+  order.resize(static_cast<size_t>(kept));
+  prob.resize(static_cast<size_t>(kept));
+  d.order = std::move(order);
+  d.prob = std::move(prob);
+  return d;
+}
+
+namespace {
+
+int64_t sample_checked(const float* logits, int64_t vocab, const SamplingParams& p, double u01) {
+  const KeptDistribution d = kept_distribution(logits, vocab, p);
+  const std::vector<int64_t>& order = d.order;
+  const std::vector<double>& prob = d.prob;
+  const int64_t kept = static_cast<int64_t>(d.order.size());
 
   // Renormalise implicitly by drawing u in [0, mass of the kept prefix).
   double mass = 0.0;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/rng.h"
 
@@ -26,6 +27,16 @@ class Sampler {
   SamplingParams p_;
   Rng rng_;
 };
+
+// The sampler's kept candidates before the draw (temperature > 0, logits without NaN): token ids
+// in descending scaled logit (ties by lower id) after top-k and top-p, and their softmax
+// probabilities over the top-k set (not renormalised over the nucleus), in double. The one
+// definition of the pipeline: the sampler draws from it, speculative verification reads it.
+struct KeptDistribution {
+  std::vector<int64_t> order;  // [kept] token ids
+  std::vector<double> prob;    // [kept]
+};
+KeptDistribution kept_distribution(const float* logits, int64_t vocab, const SamplingParams& p);
 
 // Index of the largest logit (lowest index on ties).
 int64_t argmax(const float* logits, int64_t n);
