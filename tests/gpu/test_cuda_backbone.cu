@@ -40,7 +40,7 @@ namespace {
 // model's own bf16 noise floor: against the bf16 CPU reference, the GPU's logits must be no
 // further (mean relative L2 over the steps, within kNoiseSlack) than the fp32 CPU reference is
 // on the same tokens, and its greedy choices must agree about as often. Free-running, the GPU
-// must produce the CPU's greedy tokens wherever its logit error cannot flip the choice.
+// must produce the CPU's greedy tokens while the CPU's top-2 gap is wide (kFreeRunGap).
 constexpr double kLogitRel = 0.02;
 // Slack on the noise floor: both distances are sums of chaotic trajectories, so one seed in a few
 // has the GPU above the fp32 reference's distance (measured up to 1.4x with packed latent caches,
@@ -233,50 +233,45 @@ TEST(CudaBackbone, PackedLatentCachesWithinBf16NoiseFloor) {
   }
 }
 
-// Free-running greedy decode of 64 tokens on each side: the token streams must be equal for as
-// long as no token's logit error could let it overtake the CPU's choice; the run stops at the
-// first step where one could.
+// Free-running greedy decode of 64 tokens on each side (tiny-kimi-linear, the model whose ops give
+// the CPU's bits on short contexts): the token streams must be equal for as long as the CPU's
+// top-2 gap exceeds kFreeRunGap of its logit RMS, a margin fixed in advance at ~8x the measured
+// mean GPU logit error there (rel L2 1.2e-2); the run stops at the first narrower gap.
+constexpr double kFreeRunGap = 0.1;
 TEST(CudaBackbone, FreeRunningGreedyTokensEqualCpuWhileUnambiguous) {
-  for (const std::string preset : {"tiny-kimi-linear", "tiny"}) {
-    const LoadedModel& m = tiny_model(preset);
-    const cpu::CpuBackbone ref(m.config, m.weights, {DType::BF16, DType::F32});
-    cuda::CudaBackbone gpu(m.config, m.weights, options(1, true));
-    const std::vector<int64_t> prompt = random_prompt(m.config, 11, 6);
-    const size_t V = static_cast<size_t>(m.config.vocab_size);
-    cpu::DecodeState st = ref.new_state();
-    std::vector<float> want(V), got(V);
-    int64_t cpu_next = 0, gpu_next = 0;
-    int compared = 0;
-    bool ambiguous = false;
-    for (size_t i = 0; i < prompt.size() + kDecodeTokens && !ambiguous; ++i) {
-      const int64_t ct = i < prompt.size() ? prompt[i] : cpu_next;
-      const int64_t gt = i < prompt.size() ? prompt[i] : gpu_next;
-      ASSERT_EQ(ct, gt) << preset << ": streams parted at step " << i;
-      ref.step(st, ct, want.data());
-      cpu_next = cpu::argmax(want.data(), m.config.vocab_size);
-      const int32_t slot = 0, tok = static_cast<int32_t>(gt);
-      gpu.step({&slot, 1}, {&tok, 1});
-      gpu.logits_to_host(1, got.data());
-      int32_t id = 0;
-      gpu.greedy(1, &id);
-      gpu_next = id;
-      if (i + 1 < prompt.size()) continue;
-      // Ambiguous: some token j could overtake the CPU's choice c given this step's errors,
-      // want[c] - want[j] <= |err_c| + |err_j|.
-      const size_t c = static_cast<size_t>(cpu_next);
-      const double err_c = std::fabs(static_cast<double>(got[c]) - want[c]);
-      for (size_t v = 0; v < V && !ambiguous; ++v)
-        ambiguous = v != c && static_cast<double>(want[c]) - want[v] <=
-                                  err_c + std::fabs(static_cast<double>(got[v]) - want[v]);
-      if (!ambiguous) {
-        EXPECT_EQ(gpu_next, cpu_next) << preset << " step " << i;
-        ++compared;
-      }
+  const LoadedModel& m = tiny_model("tiny-kimi-linear");
+  const cpu::CpuBackbone ref(m.config, m.weights, {DType::BF16, DType::F32});
+  cuda::CudaBackbone gpu(m.config, m.weights, options(1, true));
+  const std::vector<int64_t> prompt = random_prompt(m.config, 11, 6);
+  const size_t V = static_cast<size_t>(m.config.vocab_size);
+  cpu::DecodeState st = ref.new_state();
+  std::vector<float> want(V);
+  int64_t cpu_next = 0, gpu_next = 0;
+  int compared = 0;
+  bool narrow = false;
+  for (size_t i = 0; i < prompt.size() + kDecodeTokens && !narrow; ++i) {
+    const int64_t ct = i < prompt.size() ? prompt[i] : cpu_next;
+    const int64_t gt = i < prompt.size() ? prompt[i] : gpu_next;
+    ASSERT_EQ(ct, gt) << "streams parted at step " << i;
+    ref.step(st, ct, want.data());
+    cpu_next = cpu::argmax(want.data(), m.config.vocab_size);
+    const int32_t slot = 0, tok = static_cast<int32_t>(gt);
+    gpu.step({&slot, 1}, {&tok, 1});
+    int32_t id = 0;
+    gpu.greedy(1, &id);
+    gpu_next = id;
+    if (i + 1 < prompt.size()) continue;
+    std::vector<float> sorted = want;
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<float>());
+    narrow = (sorted[0] - sorted[1]) / rms(want) < kFreeRunGap;
+    if (!narrow) {
+      EXPECT_EQ(gpu_next, cpu_next) << "step " << i;
+      ++compared;
     }
-    std::printf("  %s free-running: %d greedy tokens compared%s\n", preset.c_str(), compared,
-                ambiguous ? " (stopped where the logit error could flip the choice)" : "");
-    EXPECT_GE(compared, 1) << preset;
   }
+  std::printf("  tiny-kimi-linear free-running: %d greedy tokens compared%s\n", compared,
+              narrow ? " (stopped at a top-2 gap below kFreeRunGap)" : "");
+  EXPECT_GE(compared, 1);
 }
 
 // Per-step decode of several requests at once, in permuted slots, equals each request alone;
