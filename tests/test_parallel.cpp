@@ -20,6 +20,9 @@
 #include "model/loaded_model.h"
 #include "parallel/communicator.h"
 #include "parallel/parallel_backbone.h"
+#include "parallel/parallel_step_backend.h"
+#include "runtime/deploy_config.h"
+#include "serve/step_backend.h"
 #include "run_command.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
@@ -403,3 +406,56 @@ TEST(Parallel, GenerateCommandRunsTheParallelBackbone) {
 
 }  // namespace
 }  // namespace k3
+
+namespace k3::parallel {
+namespace {
+
+// The serving engine's multi-rank StepBackend (k3 serve --tensor-parallel-size ...): prefill
+// chunks and decode rows of several requests, spread over the DP replicas, give the single-rank
+// CPU backend's logits within kLogitRelTol.
+TEST(ParallelStepBackend, MatchesTheCpuBackend) {
+  const LoadedModel& m = tiny_model("tiny");
+  DeployConfig d;
+  d.max_model_len = 64;
+  ParallelLayout layout;
+  layout.tp = 2;
+  layout.dp = 2;
+  layout.ep = true;
+  auto par = make_parallel_cpu_backend(LoadedModel::load(m.dir), d, layout);
+  auto ref = serve::make_cpu_backend(LoadedModel::load(m.dir), d, false, 1);
+  const size_t V = static_cast<size_t>(m.config.vocab_size);
+  std::vector<std::unique_ptr<serve::SlotState>> ps, rs;
+  std::vector<std::vector<int64_t>> prompts = {{5, 9, 2, 7}, {11, 3}, {8, 8, 1, 4, 6}};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ps.push_back(par->new_state());
+    rs.push_back(ref->new_state());
+  }
+  std::vector<float> pl(V * prompts.size()), rl(V * prompts.size());
+  const auto run = [&](const std::vector<std::vector<int64_t>>& toks) {
+    std::vector<serve::StepRow> prow, rrow;
+    for (size_t i = 0; i < toks.size(); ++i) {
+      prow.push_back({ps[i].get(), toks[i], pl.data() + i * V});
+      rrow.push_back({rs[i].get(), toks[i], rl.data() + i * V});
+    }
+    par->forward(prow);
+    ref->forward(rrow);
+    for (size_t i = 0; i < toks.size(); ++i) {
+      EXPECT_EQ(ps[i]->position(), rs[i]->position());
+      double worst = 0, scale = 0;
+      for (size_t v = 0; v < V; ++v) {
+        scale = std::max(scale, std::fabs(static_cast<double>(rl[i * V + v])));
+        worst = std::max(worst, std::fabs(static_cast<double>(pl[i * V + v]) - rl[i * V + v]));
+      }
+      EXPECT_LE(worst, kLogitRelTol * scale) << "request " << i;
+    }
+  };
+  run(prompts);  // prefill rows of different lengths
+  for (int64_t t = 0; t < 4; ++t) run({{t + 1}, {t + 20}, {t + 40}});
+  ps[1]->reset();
+  rs[1]->reset();
+  EXPECT_EQ(ps[1]->position(), 0);
+  run({{3, 1, 4}, {1, 5}, {9}});  // request 1 restarts in its reset slot
+}
+
+}  // namespace
+}  // namespace k3::parallel

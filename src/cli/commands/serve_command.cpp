@@ -19,6 +19,7 @@
 #include "cli/commands/commands.h"
 #include "core/error.h"
 #include "model/loaded_model.h"
+#include "parallel/parallel_step_backend.h"
 #include "runtime/deploy_config.h"
 #include "serve/engine.h"
 #include "serve/server.h"
@@ -38,6 +39,7 @@ struct ServeOpts {
   std::string kv_cache_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype, decode_backend;
   std::string speculative_config, additional_config;
   bool fp32 = false;
+  parallel::ParallelLayout layout;  // vLLM's parallel flags: the multi-rank CPU backbone
 };
 
 json parse_json_flag(const char* flag, const std::string& text) {
@@ -67,6 +69,7 @@ DeployConfig deploy_config(const ServeOpts& o, const CLI::App& sub) {
   set("--mamba-cache-dtype", "mamba_cache_dtype", o.mamba_cache_dtype);
   set("--mamba-ssm-cache-dtype", "mamba_ssm_cache_dtype", o.mamba_ssm_cache_dtype);
   set("--max-model-len", "max_model_len", o.max_model_len);
+  set("--decode-context-parallel-size", "decode_context_parallel_size", o.layout.dcp);
   if (!o.speculative_config.empty())
     set("--speculative-config", "speculative_config",
         parse_json_flag("--speculative-config", o.speculative_config));
@@ -95,7 +98,17 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
 
   std::shared_ptr<const serve::TextCodec> codec = serve::TextCodec::load(dir);
   K3_CHECK(device == "cpu" || !o.fp32, "--fp32 runs the CPU reference only; drop --device cuda");
-  auto backend = device == "cuda"
+  parallel::ParallelLayout layout = o.layout;
+  layout.dcp = dc.decode_context_parallel_size;
+  const bool multi_rank = layout.world() > 1 || layout.ep || layout.dcp > 1;
+  if (multi_rank) {
+    K3_CHECK(device == "cpu", "--tensor-parallel-size / --data-parallel-size / "
+             "--enable-expert-parallel / --decode-context-parallel-size run the multi-rank CPU "
+             "reference (ranks as threads); the GPU step is single-rank so far: add --device cpu");
+    K3_CHECK(!o.fp32, "--fp32 is not supported by the multi-rank backend");
+  }
+  auto backend = multi_rank ? parallel::make_parallel_cpu_backend(std::move(model), dc, layout)
+                 : device == "cuda"
                      ? serve::make_cuda_backend(std::move(model), dc)
                      : serve::make_cpu_backend(std::move(model), dc, o.fp32, o.cpu_threads);
   const int64_t max_len = backend->max_context();
@@ -194,6 +207,14 @@ void register_serve(CLI::App& app) {
   sub->add_option("--additional-config", o->additional_config,
                   "JSON deployment keys, e.g. {\"decode_backend\": \"auto\"}");
   sub->add_option("--device", o->device, "auto | cpu | cuda")->capture_default_str();
+  sub->add_option("--tensor-parallel-size", o->layout.tp, "TP ranks (multi-rank CPU backend)")
+      ->capture_default_str();
+  sub->add_option("--data-parallel-size", o->layout.dp, "DP replicas (multi-rank CPU backend)")
+      ->capture_default_str();
+  sub->add_flag("--enable-expert-parallel", o->layout.ep, "experts placed over all ranks (EP)");
+  sub->add_option("--decode-context-parallel-size", o->layout.dcp,
+                  "latent cache sharded by token over the TP ranks (1 or the TP size)")
+      ->capture_default_str();
   sub->add_option("--cpu-threads", o->cpu_threads,
                   "threads the CPU reference runs a step's requests on (0: one per core)")
       ->capture_default_str();
