@@ -66,7 +66,7 @@ class CudaBackend final : public serve::StepBackend {
              " slots are all in use (max_num_seqs)");
     const int s = free_->free.back();
     free_->free.pop_back();
-    backbone_->reset_slot(s);
+    reset(s);
     return std::make_unique<CudaSlot>(const_cast<CudaBackend*>(this), free_, s);
   }
 
@@ -117,7 +117,12 @@ class CudaBackend final : public serve::StepBackend {
     verify_q_[static_cast<size_t>(s)] = 0;
   }
 
-  void reset(int slot) { backbone_->reset_slot(slot); }
+  // A slot starts empty: no KDA state, position 0, and no verify left to commit (a request
+  // cancelled between verify and commit must not hand its snapshot to the next one).
+  void reset(int slot) const {
+    backbone_->reset_slot(slot);
+    verify_q_[static_cast<size_t>(slot)] = 0;
+  }
   int64_t position(int slot) const { return backbone_->position(slot); }
 
  private:
@@ -174,7 +179,8 @@ class CudaBackend final : public serve::StepBackend {
 
   std::unique_ptr<LoadedModel> model_;
   std::unique_ptr<CudaBackbone> backbone_;
-  std::vector<int64_t> verify_start_, verify_q_;  // [slots] the last verify of each slot
+  std::vector<int64_t> verify_start_;      // [slots] position before the last verify
+  mutable std::vector<int64_t> verify_q_;  // [slots] tokens of the last verify, 0 after commit
   std::shared_ptr<FreeSlots> free_ = std::make_shared<FreeSlots>();
 };
 
