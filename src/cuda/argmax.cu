@@ -11,6 +11,7 @@
 #include "cuda/check.h"
 #include "cuda/cluster_launch.cuh"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -42,6 +43,7 @@ __device__ __forceinline__ Best warp_best(Best b) {
 template <typename Id>
 __global__ void __launch_bounds__(kThreads)
     argmax_kernel(const float* logits, int64_t stride, int64_t n, Id* ids, bool vec) {
+  K3_PDL_ENTRY();
   // logits: [rows, n] fp32; ids: [rows]
   cg::cluster_group cluster = cg::this_cluster();
   const int C = static_cast<int>(cluster.num_blocks());

@@ -13,6 +13,7 @@
 #include "cuda/check.h"
 #include "cuda/cluster_launch.cuh"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     attn_res_kernel(const __grid_constant__ AttnResSources s, int n, int64_t row_stride,
                     const float* score_w, int hidden, float eps, __nv_bfloat16* out,
                     int64_t out_stride, float* probs, bool vec) {
+  K3_PDL_ENTRY();
   // sources s.src[j]: [rows, hidden] bf16; score_w: [hidden] fp32; out: [rows, hidden] bf16;
   // probs: [rows, n] fp32 or null
   cg::cluster_group cluster = cg::this_cluster();

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 
@@ -156,6 +157,7 @@ __device__ uint32_t hash32(uint64_t x) {
 
 // n values from index `first` on: bf16 in [-1, 1) (or e4m3 bytes in [-1, 1) when e4m3).
 __global__ void fill_pattern_kernel(void* dst, int64_t first, int64_t n, bool e4m3) {
+  K3_PDL_ENTRY();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const uint32_t h = hash32(static_cast<uint64_t>(first + i));
@@ -170,6 +172,7 @@ __global__ void fill_pattern_kernel(void* dst, int64_t first, int64_t n, bool e4
 }
 
 __global__ void fill_value_kernel(float* dst, int64_t n, float v) {
+  K3_PDL_ENTRY();
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     dst[i] = v;
@@ -220,6 +223,7 @@ __global__ void prepare_rows_kernel(const int32_t* slot_of_row, int64_t rows,
                                     const int32_t* positions, const int32_t* table,
                                     int pages_per_slot, int32_t* position, int32_t* seq_len,
                                     int32_t* row_table) {
+  K3_PDL_ENTRY();
   const int64_t r = blockIdx.x;
   if (r >= rows) return;
   const int32_t slot = slot_of_row[r];
@@ -233,6 +237,7 @@ __global__ void prepare_rows_kernel(const int32_t* slot_of_row, int64_t rows,
 }
 
 __global__ void advance_rows_kernel(const int32_t* slot_of_row, int64_t rows, int32_t* positions) {
+  K3_PDL_ENTRY();
   const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (r < rows) positions[slot_of_row[r]] += 1;
 }

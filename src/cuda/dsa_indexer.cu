@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/quant_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -64,6 +65,7 @@ __global__ void key_append_kernel(const __nv_bfloat16* __restrict__ key, int hd,
                                   const int32_t* __restrict__ position, int page_size,
                                   uint8_t* __restrict__ key_cache,
                                   float* __restrict__ scale_cache) {
+  K3_PDL_ENTRY();
   extern __shared__ float x[];  // [hd]
   __shared__ float stats[2];    // mean (LayerNorm), inv
   const int64_t r = blockIdx.x;
@@ -125,6 +127,7 @@ __global__ void scores_kernel(const __nv_bfloat16* __restrict__ q,
                               const int32_t* __restrict__ block_table, int max_pages,
                               const int32_t* __restrict__ seq_len, int page_size,
                               float* __restrict__ scores, int64_t max_tokens) {
+  K3_PDL_ENTRY();
   extern __shared__ float sq[];  // [nh][hd] dequantized rotated queries, then [nh] head weights
   float* sw = sq + nh * hd;
   const int64_t r = blockIdx.x;
@@ -219,6 +222,7 @@ __device__ __forceinline__ int block_exclusive_count(bool flag, int* scratch, in
 __global__ void topk_kernel(const float* __restrict__ scores, int64_t stride,
                             const int32_t* __restrict__ seq_len, int topk,
                             int32_t* __restrict__ selected, int32_t* __restrict__ n_selected) {
+  K3_PDL_ENTRY();
   __shared__ int hist[256];
   __shared__ int scratch[33];
   __shared__ uint32_t sh_prefix;

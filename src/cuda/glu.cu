@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -30,6 +31,7 @@ template <GluAct::Kind kKind, typename T>
 __global__ void __launch_bounds__(256)
     glu_kernel(GluAct act, const T* g, int64_t g_stride, const T* u, int64_t u_stride, int64_t rows,
                int64_t width, __nv_bfloat16* h, int64_t h_stride, bool vec) {
+  K3_PDL_ENTRY();
   // g, u: [rows, width] T (bf16 or fp32); h: [rows, width] bf16; with their row strides
   const int64_t per_row = (width + 7) / 8;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;

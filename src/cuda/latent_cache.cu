@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/quant_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -17,6 +18,7 @@ __global__ void append_kernel(LatentFormat fmt, const __nv_bfloat16* __restrict_
                               int rope, const int32_t* __restrict__ block_table, int max_pages,
                               const int32_t* __restrict__ position, int page_size,
                               uint8_t* __restrict__ cache, int64_t entry_bytes) {
+  K3_PDL_ENTRY();
   const int64_t r = blockIdx.x;
   const int pos = position[r];
   if (pos < 0 || pos / page_size >= max_pages) return;
@@ -118,6 +120,7 @@ __global__ void to_bf16_kernel(LatentFormat fmt, const uint8_t* __restrict__ cac
                                int rope, const int32_t* __restrict__ block_table, int max_pages,
                                const int32_t* __restrict__ seq_len, int page_size,
                                __nv_bfloat16* __restrict__ out, int64_t entry_bytes) {
+  K3_PDL_ENTRY();
   const int p = blockIdx.x;
   const int64_t r = blockIdx.y;
   const int64_t first = static_cast<int64_t>(p) * page_size;

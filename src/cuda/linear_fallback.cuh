@@ -9,6 +9,7 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/skinny_gemm.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda::detail {
 
@@ -16,6 +17,7 @@ namespace k3::cuda::detail {
 template <class Dec>
 __global__ void __launch_bounds__(256)
     linear_fallback_kernel(const __grid_constant__ SkinnyArgs a) {
+  K3_PDL_ENTRY();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * 8 + warp;
   if (n >= a.n) return;

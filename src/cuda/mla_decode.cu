@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/mla_decode_generic.h"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -59,6 +60,7 @@ __global__ void __launch_bounds__(kThreads)
                      const int32_t* __restrict__ selected, const int32_t* __restrict__ n_selected,
                      int heads, int hpg, int page_size, int max_pages, int max_sel, float scale,
                      float* __restrict__ ws_acc, float* __restrict__ ws_ml) {
+  K3_PDL_ENTRY();
   // q_abs [rows][heads][512] bf16; q_pe [rows][heads][64] bf16; cache [pages][page_size][576];
   // ws_acc [rows][heads][splits][512] fp32 (unnormalised sum p c); ws_ml [rows][heads][splits][2]
   extern __shared__ __align__(16) unsigned char smem[];
@@ -191,6 +193,7 @@ template <bool kBf16Out>
 __global__ void __launch_bounds__(128)
     mla_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, int heads,
                        int splits, void* __restrict__ out) {
+  K3_PDL_ENTRY();
   // ws_acc [rows][heads][splits][512]; ws_ml [rows][heads][splits][2];
   // out [rows][heads][512] fp32 or bf16. One CTA per (head, row), 4 columns per thread.
   const int64_t rh = static_cast<int64_t>(blockIdx.y) * heads + blockIdx.x;

@@ -7,6 +7,7 @@
 
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda::detail {
 namespace {
@@ -30,6 +31,7 @@ __global__ void __launch_bounds__(kThreads)
                        const int32_t* __restrict__ selected, const int32_t* __restrict__ n_selected,
                        int heads, int kv_lora, int rope, int page_size, int max_pages, int max_sel,
                        float scale, void* __restrict__ out) {
+  K3_PDL_ENTRY();
   // q_abs [rows][heads][kv_lora] bf16; q_pe [rows][heads][rope] bf16;
   // cache [pages][page_size][kv_lora + rope] bf16; out [rows][heads][kv_lora] fp32 or bf16.
   extern __shared__ float qs[];  // [kv_lora + rope] fp32 query (q~ then q_pe)

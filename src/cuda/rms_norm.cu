@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "cuda/block_reduce.cuh"
 #include "cuda/check.h"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -18,6 +19,7 @@ template <int VPT>
 __global__ void __launch_bounds__(1024)
     rms_norm_cached(const __nv_bfloat16* x, int64_t x_stride, const float* w, int hidden, float eps,
                     __nv_bfloat16* y, int64_t y_stride) {
+  K3_PDL_ENTRY();
   // x: [rows, hidden] bf16; w: [hidden] fp32 or null; y: [rows, hidden] bf16
   __shared__ float scratch[33];
   const __nv_bfloat16* xr = x + blockIdx.x * x_stride;  // [hidden]
@@ -62,6 +64,7 @@ __global__ void __launch_bounds__(1024)
 __global__ void __launch_bounds__(1024)
     rms_norm_generic(const __nv_bfloat16* x, int64_t x_stride, const float* w, int64_t hidden,
                      float eps, __nv_bfloat16* y, int64_t y_stride) {
+  K3_PDL_ENTRY();
   // x: [rows, hidden] bf16; w: [hidden] fp32 or null; y: [rows, hidden] bf16
   __shared__ float scratch[33];
   const __nv_bfloat16* xr = x + blockIdx.x * x_stride;  // [hidden]

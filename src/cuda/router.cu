@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -46,6 +47,7 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
     router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int64_t rows,
                   int E, int top_k, bool renormalize, float scaling, int32_t* __restrict__ ids,
                   float* __restrict__ weights) {
+  K3_PDL_ENTRY();
   // logits [rows][E]; bias [E] or null; ids / weights [rows][top_k]
   __shared__ float choice_s[kWarpsPerCta][kMaxExperts];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;

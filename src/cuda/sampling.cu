@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -72,6 +73,7 @@ __device__ __forceinline__ float key_value(uint64_t key) {
 __global__ void __launch_bounds__(kPrepThreads)
     sample_prep_kernel(const float* __restrict__ logits, int64_t stride, int vocab,
                        uint64_t* __restrict__ keys, int32_t* __restrict__ vals) {
+  K3_PDL_ENTRY();
   // logits [rows][stride]; keys, vals [rows][vocab].
   const int r = blockIdx.y;
   const int i = blockIdx.x * kPrepThreads + threadIdx.x;
@@ -89,6 +91,7 @@ __global__ void __launch_bounds__(kSelThreads)
     sample_select_kernel(const uint64_t* __restrict__ keys, const int32_t* __restrict__ vals,
                          int vocab, const SampleRowParams* __restrict__ params,
                          const double* __restrict__ uniform, int32_t* __restrict__ ids) {
+  K3_PDL_ENTRY();
   // keys, vals [rows][vocab], each row sorted by descending logit (ties: ascending id).
   __shared__ union {
     Scan::TempStorage scan;

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cuda/mma.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda::detail {
 
@@ -56,6 +57,10 @@ template <class Fmt, int NT, int MT>
 __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
+  pdl_launch_dependents();
+  // Grouped launches read the expert of their slot from the previous kernel's output; dense
+  // ones only read x from it, so their weight prologue below overlaps the previous kernel.
+  if (a.slot_expert) pdl_wait();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int wn_i = warp % a.wn, wk_i = warp / a.wn;
@@ -100,15 +105,7 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     const int xr = a.row_index ? a.row_index[off + m] : off + m;
     return a.x + static_cast<int64_t>(xr) * a.ldx + (valid ? kk : 0);
   };
-  if constexpr (!Fmt::kXPermute) {
-    for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
-      const int m = i / units, u = i % units;
-      bool valid;
-      const __nv_bfloat16* src = x_src(m, u, valid);
-      cp_async16(xs + m * a.x_pitch + x_unit<false>(u) * 16, src, valid);
-    }
-  }
-  cp_async_commit();
+  cp_async_commit();  // an empty group: keeps the ring's group accounting of the prologue
   // The W ring prologue: stages - 1 chunks in flight before any compute.
   for (int s = 0; s < a.stages - 1; ++s) {
     if (s < nchunks)
@@ -116,17 +113,16 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
                                    w_lo + s, lane);
     cp_async_commit();
   }
-  if constexpr (Fmt::kXPermute) {
-    // Through registers: the permutation does not fit a plain copy. Overlaps the W prologue.
-    for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
-      const int m = i / units, u = i % units;
-      bool valid;
-      const __nv_bfloat16* src = x_src(m, u, valid);
-      const uint4 v = valid ? permute_x8(ldg128(src)) : make_uint4(0, 0, 0, 0);
-      sts128(xs + m * a.x_pitch + x_unit<true>(u) * 16, v);
-    }
+  if (!a.slot_expert) pdl_wait();  // x is the previous kernel's output
+  // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
+  for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
+    const int m = i / units, u = i % units;
+    bool valid;
+    const __nv_bfloat16* src = x_src(m, u, valid);
+    uint4 v = valid ? ldg128(src) : make_uint4(0, 0, 0, 0);
+    if constexpr (Fmt::kXPermute) v = permute_x8(v);
+    sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
   }
-  cp_async_wait_dyn(a.stages - 1);  // the x group (oldest) has landed
   __syncthreads();
 
   float acc[MT][NT][4];

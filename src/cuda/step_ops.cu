@@ -8,6 +8,7 @@
 #include "cuda/block_reduce.cuh"
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -33,6 +34,7 @@ unsigned blocks_for(int64_t n, int per_block) {
 __global__ void __launch_bounds__(kRowThreads)
     embed_kernel(const __nv_bfloat16* __restrict__ embed, int64_t vocab, int64_t hidden,
                  const int32_t* __restrict__ tokens, __nv_bfloat16* __restrict__ out, bool vec) {
+  K3_PDL_ENTRY();
   // embed [vocab][hidden]; out [rows][hidden]; one CTA per row.
   const int64_t r = blockIdx.x;
   const int32_t tok = tokens[r];
@@ -50,6 +52,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // ---- elementwise bf16 add ----
 __global__ void add_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
                            __nv_bfloat16* out, bool vec) {
+  K3_PDL_ENTRY();
   // a, b, out [n]; out may alias a or b (each thread reads its 8 before writing them).
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (i >= n) return;
@@ -67,6 +70,7 @@ __global__ void __launch_bounds__(128)
     absorb_q_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_b,
                     int64_t rows, int heads, int nope, int rope, int v, int kv_lora,
                     __nv_bfloat16* __restrict__ q_abs, __nv_bfloat16* __restrict__ q_pe) {
+  K3_PDL_ENTRY();
   // q [rows][heads][nope + rope]; kv_b [heads * (nope + v)][kv_lora];
   // q_abs [rows][heads][kv_lora]; q_pe [rows][heads][rope]. CTA = (head, group of 8 rows).
   extern __shared__ float qn[];  // [kRowGroup][nope] fp32
@@ -109,6 +113,7 @@ __global__ void __launch_bounds__(256)
     unabsorb_v_kernel(const float* __restrict__ o_latent, const __nv_bfloat16* __restrict__ kv_b,
                       const __nv_bfloat16* __restrict__ gate, int64_t rows, int heads, int nope,
                       int v, int kv_lora, __nv_bfloat16* __restrict__ o) {
+  K3_PDL_ENTRY();
   // o_latent [rows][heads][kv_lora] fp32; kv_b [heads * (nope + v)][kv_lora];
   // gate, o [rows][heads * v]. CTA = (head, group of 8 rows); one warp per output column j.
   extern __shared__ float ol[];  // [kRowGroup][kv_lora] fp32
@@ -149,6 +154,7 @@ __global__ void cache_append_kernel(const __nv_bfloat16* __restrict__ kv, int wi
                                     const int32_t* __restrict__ block_table, int max_pages,
                                     const int32_t* __restrict__ position, int page_size,
                                     __nv_bfloat16* __restrict__ cache) {
+  K3_PDL_ENTRY();
   // kv [rows][width]; block_table [rows][max_pages]; cache [pages][page_size][width].
   const int64_t r = blockIdx.x;
   const int pos = position[r];
@@ -178,6 +184,7 @@ __global__ void __launch_bounds__(kRowThreads)
                        const float* __restrict__ weights, int top_k, int64_t width,
                        const float* __restrict__ norm_w, float eps,
                        __nv_bfloat16* __restrict__ out) {
+  K3_PDL_ENTRY();
   // y [rows * top_k][width]; weights [rows][top_k]; norm_w [width] or null; out [rows][width].
   __shared__ float scratch[33];
   const int64_t r = blockIdx.x;
@@ -217,6 +224,7 @@ __global__ void __launch_bounds__(kGemmWarps * 32)
                           const int32_t* __restrict__ row_index, int64_t M,
                           const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t N, int64_t K,
                           void* __restrict__ y, int64_t ldy, bool y_fp32, bool vec) {
+  K3_PDL_ENTRY();
   // x [*][ldx] bf16; W [N][K]; y [rows][ldy] bf16 or fp32.
   const int s = blockIdx.y;
   const WT* W = w_single;

@@ -1,0 +1,46 @@
+#include "cuda/graph_pdl.h"
+
+#include <vector>
+
+#include "cuda/check.h"
+
+namespace k3::cuda {
+namespace {
+
+bool is_kernel(cudaGraphNode_t n) {
+  cudaGraphNodeType t{};
+  K3_CUDA_CHECK(cudaGraphNodeGetType(n, &t));
+  return t == cudaGraphNodeTypeKernel;
+}
+
+}  // namespace
+
+int make_kernel_edges_programmatic(cudaGraph_t graph) {
+  size_t n = 0;
+  K3_CUDA_CHECK(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &n));
+  if (n == 0) return 0;
+  std::vector<cudaGraphNode_t> from(n), to(n);
+  std::vector<cudaGraphEdgeData> data(n);
+  K3_CUDA_CHECK(cudaGraphGetEdges(graph, from.data(), to.data(), data.data(), &n));
+  std::vector<cudaGraphNode_t> cf, ct;
+  std::vector<cudaGraphEdgeData> old_data, new_data;
+  for (size_t i = 0; i < n; ++i) {
+    if (data[i].type != cudaGraphDependencyTypeDefault || !is_kernel(from[i]) || !is_kernel(to[i]))
+      continue;
+    cf.push_back(from[i]);
+    ct.push_back(to[i]);
+    old_data.push_back(data[i]);
+    cudaGraphEdgeData e{};
+    e.from_port = cudaGraphKernelNodePortProgrammatic;
+    e.to_port = 0;
+    e.type = cudaGraphDependencyTypeProgrammatic;
+    new_data.push_back(e);
+  }
+  if (cf.empty()) return 0;
+  K3_CUDA_CHECK(
+      cudaGraphRemoveDependencies(graph, cf.data(), ct.data(), old_data.data(), cf.size()));
+  K3_CUDA_CHECK(cudaGraphAddDependencies(graph, cf.data(), ct.data(), new_data.data(), cf.size()));
+  return static_cast<int>(cf.size());
+}
+
+}  // namespace k3::cuda
