@@ -110,7 +110,9 @@ void check_sampling(int64_t vocab, int draws, bool ties, float scale) {
       float x = rng.normal() * scale;
       if (ties) x = std::round(x * 2.0f) / 2.0f;   // many equal logits, +0 and -0 among them
       if (ties && x == 0.0f && (rng.next_u64() & 1)) x = -0.0f;
-      if (rng.next_u64() % 97 == 0) x = -INFINITY;  // masked tokens: probability 0
+      // Masked tokens have probability 0; token 0 never is, so every row keeps a distribution
+      // (a vocabulary of 1 fully masked would be a user error, not a sampling case).
+      if (rng.next_u64() % 97 == 0 && i > 0) x = -INFINITY;
       logits[static_cast<size_t>(r * stride + i)] = x;
     }
   auto d_logits = cuda::to_device<float>(logits);
