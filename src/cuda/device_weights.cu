@@ -1,6 +1,8 @@
 #include "cuda/device_weights.h"
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "cuda/linear_bf16.h"
@@ -28,6 +30,81 @@ void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, 
       break;
   }
   fail("linear: weight format ", weight_format_name(w.format), " has no GPU kernel");
+}
+
+namespace {
+// Bytes of one row of the data array (BF16, MXFP4 packed) and of the MXFP4 scales array.
+int64_t data_row_bytes(const WeightMatrix& m) {
+  return m.format == WeightFormat::MXFP4 ? m.cols / 2 : m.cols * 2;
+}
+int64_t scale_row_bytes(const WeightMatrix& m) {
+  return m.format == WeightFormat::MXFP4 ? m.cols / 32 : 0;
+}
+}  // namespace
+
+bool can_concat(const std::vector<const WeightMatrix*>& ms) {
+  if (ms.empty() || !ms[0]) return false;
+  const WeightFormat f = ms[0]->format;
+  if (f != WeightFormat::BF16 && f != WeightFormat::MXFP4) return false;
+  const bool mx = f == WeightFormat::MXFP4;
+  int64_t row = 0;  // first row of the current member in the combined matrix
+  for (const WeightMatrix* m : ms) {
+    if (!m || m->empty() || m->format != f || m->cols != ms[0]->cols || m->rows <= 0) return false;
+    if (mx && (m->cols % 32 != 0 || !m->scales)) return false;
+    // cudaMalloc bases are 256-byte aligned: the view offsets decide.
+    if (row * data_row_bytes(*m) % 16 != 0) return false;
+    if (mx && row * scale_row_bytes(*m) % 8 != 0) return false;
+    row += m->rows;
+  }
+  return true;
+}
+
+uint8_t* DeviceWeights::alloc_bytes(size_t n) {
+  auto buf = std::make_shared<DeviceBuffer<uint8_t>>(n);
+  bytes_ += buf->bytes();
+  uint8_t* p = buf->data();
+  owned_.push_back(std::move(buf));
+  return p;
+}
+
+DevConcat DeviceWeights::upload_concat(const std::vector<const WeightMatrix*>& ms) {
+  DevConcat c;
+  if (!can_concat(ms)) {  // apart, as the stock path always had them
+    for (const WeightMatrix* m : ms) c.parts.push_back(upload(*m));
+    return c;
+  }
+  const WeightMatrix& first = *ms[0];
+  const bool mx = first.format == WeightFormat::MXFP4;
+  const int64_t drb = data_row_bytes(first), srb = scale_row_bytes(first);
+  int64_t rows = 0;
+  for (const WeightMatrix* m : ms) rows += m->rows;
+  uint8_t* data = alloc_bytes(static_cast<size_t>(rows * drb));                   // [rows][drb] u8
+  uint8_t* scales = mx ? alloc_bytes(static_cast<size_t>(rows * srb)) : nullptr;  // [rows][srb]
+  int64_t row = 0;
+  for (const WeightMatrix* m : ms) {
+    DevMatrix v;
+    v.format = first.format;
+    v.rows = m->rows;
+    v.cols = first.cols;
+    uint8_t* d = data + row * drb;
+    K3_CUDA_CHECK(
+        cudaMemcpy(d, m->data, static_cast<size_t>(m->rows * drb), cudaMemcpyHostToDevice));
+    v.data = d;
+    if (mx) {
+      uint8_t* s = scales + row * srb;
+      K3_CUDA_CHECK(
+          cudaMemcpy(s, m->scales, static_cast<size_t>(m->rows * srb), cudaMemcpyHostToDevice));
+      v.scales = s;
+    }
+    c.parts.push_back(v);
+    row += m->rows;
+  }
+  c.combined.format = first.format;
+  c.combined.rows = rows;
+  c.combined.cols = first.cols;
+  c.combined.data = data;
+  c.combined.scales = scales;
+  return c;
 }
 
 template <typename T>
@@ -93,16 +170,38 @@ DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
     if (L.kind == LayerKind::KDA) {
       const KdaWeights& k = L.kda;
       DevKda& d = D.kda;
-      d.q_proj = upload(k.q_proj);
-      d.k_proj = upload(k.k_proj);
-      d.v_proj = upload(k.v_proj);
-      d.f_a = upload(k.f_a);
+      // Everything that reads x in one allocation. Exactly one output gate form may take part
+      // (with both present the fused path could not tell which one the g rows are).
+      const bool lora_gate = k.g_proj.empty();
+      const WeightMatrix& g = lora_gate ? k.g_a : k.g_proj;
+      const std::vector<const WeightMatrix*> in = {&k.q_proj, &k.k_proj, &k.v_proj,
+                                                   &g,        &k.f_a,    &k.b_proj};
+      DevConcat fused;
+      if (k.g_proj.empty() != k.g_a.empty())
+        fused = upload_concat(in);
+      else
+        for (const WeightMatrix* m : in) fused.parts.push_back(upload(*m));
+      d.q_proj = fused.parts[0];
+      d.k_proj = fused.parts[1];
+      d.v_proj = fused.parts[2];
+      (lora_gate ? d.g_a : d.g_proj) = fused.parts[3];
+      (lora_gate ? d.g_proj : d.g_a) = upload(lora_gate ? k.g_proj : k.g_a);
+      d.f_a = fused.parts[4];
+      d.b_proj = fused.parts[5];
       d.f_b = upload(k.f_b);
-      d.b_proj = upload(k.b_proj);
-      d.g_proj = upload(k.g_proj);
-      d.g_a = upload(k.g_a);
       d.g_b = upload(k.g_b);
       d.o_proj = upload(k.o_proj);
+      if (!fused.combined.empty()) {
+        d.in_proj = fused.combined;
+        KdaInProjLayout& o = d.in_layout;
+        o.q = 0;
+        o.k = o.q + d.q_proj.rows;
+        o.v = o.k + d.k_proj.rows;
+        o.g = o.v + d.v_proj.rows;
+        o.fa = o.g + fused.parts[3].rows;
+        o.b = o.fa + d.f_a.rows;
+        o.n = o.b + d.b_proj.rows;
+      }
       // The fused kernel reads [3 (q,k,v)][P][kernel] fp32.
       std::vector<float> conv;
       for (const WeightMatrix* c : {&k.q_conv, &k.k_conv, &k.v_conv}) {
@@ -145,8 +244,10 @@ DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
       d.latent_down = upload(m.latent_down);
       d.latent_up = upload(m.latent_up);
       d.latent_norm = upload_floats(m.latent_norm);
-      d.shared_gate = upload(m.shared_gate);
-      d.shared_up = upload(m.shared_up);
+      DevConcat su = upload_concat({&m.shared_gate, &m.shared_up});
+      d.shared_gate = su.parts[0];
+      d.shared_up = su.parts[1];
+      d.shared_gate_up = su.combined;
       d.shared_down = upload(m.shared_down);
       K3_CHECK(!m.experts.empty(), "MoE layer ", l, " has no experts");
       d.expert_format = m.experts[0].w1.format;
@@ -157,12 +258,16 @@ DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
       d.io = m.experts[0].w1.cols;
       std::vector<const void*> w1, w3, w2;
       std::vector<const uint8_t*> s1, s3, s2;
+      bool w13 = true;  // every expert's [w1; w3] in one allocation
       for (const ExpertWeights& e : m.experts) {
         for (const WeightMatrix* x : {&e.w1, &e.w3, &e.w2})
           K3_CHECK(x->format == d.expert_format, "expert ", x->name, " is ",
                    weight_format_name(x->format), ", the other experts ",
                    weight_format_name(d.expert_format));
-        const DevMatrix a = upload(e.w1), b = upload(e.w3), c = upload(e.w2);
+        const DevConcat p = upload_concat({&e.w1, &e.w3});
+        w13 = w13 && !p.combined.empty() && e.w1.rows == d.inter && e.w3.rows == d.inter &&
+              e.w1.cols == d.io;
+        const DevMatrix a = p.parts[0], b = p.parts[1], c = upload(e.w2);
         w1.push_back(a.data);
         w3.push_back(b.data);
         w2.push_back(c.data);
@@ -176,9 +281,15 @@ DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
       d.w1_scales = keep(std::move(s1));
       d.w3_scales = keep(std::move(s3));
       d.w2_scales = keep(std::move(s2));
+      if (w13) {  // w1[e] already points at the fused pair: share the tables
+        d.w13 = d.w1;
+        d.w13_scales = d.expert_format == WeightFormat::MXFP4 ? d.w1_scales : nullptr;
+      }
     } else if (!L.dense.gate.empty()) {
-      D.dense.gate = upload(L.dense.gate);
-      D.dense.up = upload(L.dense.up);
+      DevConcat gu = upload_concat({&L.dense.gate, &L.dense.up});
+      D.dense.gate = gu.parts[0];
+      D.dense.up = gu.parts[1];
+      D.dense.gate_up = gu.combined;
       D.dense.down = upload(L.dense.down);
     }
   }

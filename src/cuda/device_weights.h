@@ -2,6 +2,9 @@
 // copied from the checkpoint in its own format (bf16, MXFP4 packed + E8M0 scales, or fp32),
 // small vectors as fp32, and per MoE layer the device arrays of expert pointers the grouped
 // GEMMs index with expert ids that live in device memory.
+// Matrices that read the same input are stored contiguously where the format allows (one
+// allocation, rows concatenated), so a fused GEMM can read them as one matrix: the per-matrix
+// fields are views into that memory, nothing is stored twice.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,8 +35,34 @@ struct DevMatrix {
 void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, void* y,
             int64_t ldy, bool y_fp32, cudaStream_t stream);
 
+// Several matrices [rows_i, cols] in one device allocation, rows concatenated in order.
+// combined: [sum rows_i, cols], empty when the members had to be uploaded apart (see
+// can_concat); parts: one view per member (an empty member gives an empty view).
+struct DevConcat {
+  DevMatrix combined;
+  std::vector<DevMatrix> parts;
+};
+
+// Whether `ms` can share one allocation: all non-empty, one format (BF16 or MXFP4), one column
+// count, and every member's start keeps the kernels' alignment (bf16 and MXFP4 packed views
+// 16-byte aligned, MXFP4 scale views 8-byte aligned). Host-only; reads no matrix data.
+bool can_concat(const std::vector<const WeightMatrix*>& ms);
+
+// Row offsets of the parts of DevKda::in_proj, every projection that reads the normed x:
+// in_proj = [q_proj; k_proj; v_proj; g; f_a; b_proj], g = g_proj (full-rank output gate) or
+// g_a (LoRA gate, when g_proj is empty). For y = x . in_proj^T ([rows][n], row stride n) each
+// part's outputs start at its offset: q at y + q (P columns), k at y + k, v at y + v (adjacent:
+// the [3][P] u of kda_decode_step), the gate at y + g (P, or the LoRA rank), f_a at y + fa,
+// beta logits at y + b (heads). All zero when in_proj is empty.
+struct KdaInProjLayout {
+  int64_t q = 0, k = 0, v = 0, g = 0, fa = 0, b = 0;  // first row of each part
+  int64_t n = 0;                                      // total rows (= in_proj.rows)
+};
+
 struct DevKda {
   DevMatrix q_proj, k_proj, v_proj, f_a, f_b, b_proj, g_proj, g_a, g_b, o_proj;
+  DevMatrix in_proj;               // [n, H] fused view over the members above (or empty)
+  KdaInProjLayout in_layout;       // where each member sits in in_proj
   const float* conv = nullptr;     // [3][P][kernel] fp32
   const float* dt_bias = nullptr;  // [P] fp32
   const float* a_log = nullptr;    // [heads] fp32
@@ -60,6 +89,7 @@ struct DevMoe {
   DevMatrix latent_down, latent_up;    // [L, H], [H, L] (empty without latent MoE)
   const float* latent_norm = nullptr;  // [L] fp32 or null
   DevMatrix shared_gate, shared_up, shared_down;
+  DevMatrix shared_gate_up;  // [2S, H] = [shared_gate; shared_up] (empty if not fused)
   WeightFormat expert_format = WeightFormat::MXFP4;  // MXFP4 or BF16 (all experts alike)
   int64_t inter = 0, io = 0;                         // expert [inter, io] / [io, inter]
   // Device arrays [E] of expert matrix pointers (data / scales) for w1, w3, w2.
@@ -69,10 +99,17 @@ struct DevMoe {
   const uint8_t* const* w1_scales = nullptr;
   const uint8_t* const* w3_scales = nullptr;
   const uint8_t* const* w2_scales = nullptr;
+  // Device array [E]: expert e's [2*inter, io] matrix, rows [0, inter) = w1, [inter, 2*inter) =
+  // w3 (MXFP4: packed [2*inter, io/2] and w13_scales[e] [2*inter, io/32], each contiguous;
+  // BF16: [2*inter, io] bf16, w13_scales null). w13[e] == w1[e], w3[e] = w13[e] + inter rows
+  // (the same tables: w13 aliases w1). Null when some expert's pair could not be fused.
+  const void* const* w13 = nullptr;
+  const uint8_t* const* w13_scales = nullptr;
 };
 
 struct DevDense {
   DevMatrix gate, up, down;
+  DevMatrix gate_up;  // [2I, H] = [gate; up] (empty if not fused)
 };
 
 struct DevLayer {
@@ -102,7 +139,9 @@ class DeviceWeights {
   uint64_t bytes() const { return bytes_; }  // device bytes held
 
  private:
-  DevMatrix upload(const WeightMatrix& m);                  // empty stays empty
+  DevMatrix upload(const WeightMatrix& m);  // empty stays empty
+  DevConcat upload_concat(const std::vector<const WeightMatrix*>& ms);
+  uint8_t* alloc_bytes(size_t n);                           // owned, counted in bytes_
   const float* upload_floats(const std::vector<float>& v);  // null when v is empty
   template <typename T>
   const T* keep(std::vector<T> host);

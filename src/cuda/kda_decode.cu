@@ -23,6 +23,7 @@
 #include "cuda/block_reduce.cuh"
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -65,7 +66,9 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads)
                       const __nv_bfloat16* __restrict__ beta_logit,
                       const __nv_bfloat16* __restrict__ z, KdaDecodeWeights w,
                       const int32_t* __restrict__ slot_of_row, __nv_bfloat16* conv_state,
-                      StateT* state, __nv_bfloat16* __restrict__ out, int heads, int kernel) {
+                      StateT* state, __nv_bfloat16* __restrict__ out, int heads, int kernel,
+                      KdaDecodeStrides ld) {  // strides resolved (all non-zero)
+  K3_PDL_ENTRY();
   using C = Cfg<D>;
   const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
   const int64_t P = static_cast<int64_t>(heads) * D;
@@ -80,7 +83,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads)
   __shared__ float scratch[33];
 
   // 1. Short conv + SiLU over channel c of stream s (q, k, v), window updated in place.
-  const __nv_bfloat16* ur = u + row * 3 * P;  // [3][P]
+  const __nv_bfloat16* ur = u + row * ld.u;  // [3][P]
   for (int e = tid; e < 3 * D; e += C::kThreads) {
     const int s = e / D, d = e % D;
     const int64_t ch = s * P + static_cast<int64_t>(h) * D + d;    // index into [3][P]
@@ -102,13 +105,13 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads)
   // Decay gate per key channel and beta.
   if (tid < D) {
     const int64_t i = static_cast<int64_t>(h) * D + tid;
-    const float a = __bfloat162float(f[row * P + i]) + w.dt_bias[i];
+    const float a = __bfloat162float(f[row * ld.f + i]) + w.dt_bias[i];
     const float a_scale = expf(w.a_log[h]);
     const float g = isnan(w.gate_lower_bound) ? -a_scale * softplus_f(a)
                                               : w.gate_lower_bound * sigmoid_f(a_scale * a);
     alpha[tid] = expf(g);
   }
-  if (tid == 0) misc[0] = sigmoid_f(__bfloat162float(beta_logit[row * heads + h]));
+  if (tid == 0) misc[0] = sigmoid_f(__bfloat162float(beta_logit[row * ld.beta + h]));
   __syncthreads();
 
   // 2. L2 norms (FLA: eps inside the root); warp 0 does q, warp 1 does k.
@@ -167,9 +170,9 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads)
   const float ss = detail::block_sum(grp == 0 ? o * o : 0.0f, scratch);
   if (grp == 0) {
     const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + w.eps);
-    const int64_t i = row * P + static_cast<int64_t>(h) * D + j;
-    const float y = o * inv * w.o_norm[j] * sigmoid_f(__bfloat162float(z[i]));
-    out[i] = __float2bfloat16_rn(y);
+    const int64_t c = static_cast<int64_t>(h) * D + j;
+    const float y = o * inv * w.o_norm[j] * sigmoid_f(__bfloat162float(z[row * ld.z + c]));
+    out[row * P + c] = __float2bfloat16_rn(y);
   }
 }
 
@@ -177,7 +180,7 @@ template <typename StateT>
 void launch(const __nv_bfloat16* u, const __nv_bfloat16* f, const __nv_bfloat16* beta_logit,
             const __nv_bfloat16* z, const KdaDecodeWeights& w, const int32_t* slot_of_row,
             __nv_bfloat16* conv_state, StateT* state, __nv_bfloat16* out, const KdaDecodeShape& sh,
-            cudaStream_t stream) {
+            cudaStream_t stream, KdaDecodeStrides ld) {
   K3_CHECK(sh.heads > 0 && sh.heads <= 65535, "kda_decode_step: heads = ", sh.heads);
   K3_CHECK(sh.kernel >= 1 && sh.kernel <= kMaxKernel, "kda_decode_step: kernel = ", sh.kernel,
            " (1..", kMaxKernel, ")");
@@ -185,20 +188,31 @@ void launch(const __nv_bfloat16* u, const __nv_bfloat16* f, const __nv_bfloat16*
   K3_CHECK(u && f && beta_logit && z && w.conv && w.dt_bias && w.a_log && w.o_norm && slot_of_row &&
                state && out && (sh.kernel == 1 || conv_state),
            "kda_decode_step: null pointer");
+  const int64_t P = static_cast<int64_t>(sh.heads) * sh.head_dim;
+  // 0 = packed; an explicit stride narrower than the row would alias rows.
+  const auto resolve = [](int64_t given, int64_t width, const char* what) {
+    K3_CHECK(given == 0 || given >= width, "kda_decode_step: ", what, " row stride ", given,
+             " < row width ", width);
+    return given == 0 ? width : given;
+  };
+  ld.u = resolve(ld.u, 3 * P, "u");
+  ld.f = resolve(ld.f, P, "f");
+  ld.beta = resolve(ld.beta, sh.heads, "beta_logit");
+  ld.z = resolve(ld.z, P, "z");
   if (sh.rows == 0) return;
   const dim3 grid(static_cast<unsigned>(sh.heads), static_cast<unsigned>(sh.rows));
   switch (sh.head_dim) {
     case 32:
       kda_decode_kernel<32, StateT><<<grid, Cfg<32>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel);
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld);
       break;
     case 64:
       kda_decode_kernel<64, StateT><<<grid, Cfg<64>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel);
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld);
       break;
     case 128:
       kda_decode_kernel<128, StateT><<<grid, Cfg<128>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel);
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld);
       break;
     default:
       fail("kda_decode_step: head_dim ", sh.head_dim, " unsupported (32, 64, 128)");
@@ -212,15 +226,17 @@ void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
                      const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
                      const KdaDecodeWeights& w, const int32_t* slot_of_row,
                      __nv_bfloat16* conv_state, float* state, __nv_bfloat16* out,
-                     const KdaDecodeShape& shape, cudaStream_t stream) {
-  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream);
+                     const KdaDecodeShape& shape, cudaStream_t stream,
+                     const KdaDecodeStrides& strides) {
+  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream, strides);
 }
 void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
                      const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
                      const KdaDecodeWeights& w, const int32_t* slot_of_row,
                      __nv_bfloat16* conv_state, __nv_bfloat16* state, __nv_bfloat16* out,
-                     const KdaDecodeShape& shape, cudaStream_t stream) {
-  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream);
+                     const KdaDecodeShape& shape, cudaStream_t stream,
+                     const KdaDecodeStrides& strides) {
+  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream, strides);
 }
 
 }  // namespace k3::cuda

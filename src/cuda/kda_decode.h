@@ -30,10 +30,18 @@ struct KdaDecodeShape {
   int kernel = 0;    // short conv taps, 1..8
 };
 
-// u:           [rows][3][P] bf16, pre-conv q, k, v projections
-// f:           [rows][P] bf16, f_b(f_a(x)) (decay-gate pre-activation, before dt_bias)
-// beta_logit:  [rows][heads] bf16, b_proj(x)
-// z:           [rows][P] bf16, output-gate projection
+// Row strides (elements between consecutive rows) of the four inputs, so the outputs of one
+// fused projection GEMM can be read in place. 0 = the packed default: u 3P, f P, beta heads,
+// z P. A non-zero stride must be at least the row width. The out tensor is always packed.
+struct KdaDecodeStrides {
+  int64_t u = 0, f = 0, beta = 0, z = 0;
+};
+
+// u:           [rows][3][P] bf16 (row stride strides.u), pre-conv q, k, v projections
+// f:           [rows][P] bf16 (row stride strides.f), f_b(f_a(x)) (decay-gate pre-activation,
+//              before dt_bias)
+// beta_logit:  [rows][heads] bf16 (row stride strides.beta), b_proj(x)
+// z:           [rows][P] bf16 (row stride strides.z), output-gate projection
 // slot_of_row: [rows] int32 in DEVICE memory (a captured graph reads the mapping at replay);
 //              slots must be distinct within one launch (each slot's state has one writer)
 // conv_state:  [slots][3][P][kernel-1] bf16, oldest first; updated in place
@@ -44,11 +52,13 @@ void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
                      const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
                      const KdaDecodeWeights& w, const int32_t* slot_of_row,
                      __nv_bfloat16* conv_state, float* state, __nv_bfloat16* out,
-                     const KdaDecodeShape& shape, cudaStream_t stream);
+                     const KdaDecodeShape& shape, cudaStream_t stream,
+                     const KdaDecodeStrides& strides = {});
 void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
                      const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
                      const KdaDecodeWeights& w, const int32_t* slot_of_row,
                      __nv_bfloat16* conv_state, __nv_bfloat16* state, __nv_bfloat16* out,
-                     const KdaDecodeShape& shape, cudaStream_t stream);
+                     const KdaDecodeShape& shape, cudaStream_t stream,
+                     const KdaDecodeStrides& strides = {});
 
 }  // namespace k3::cuda

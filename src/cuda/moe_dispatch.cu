@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
@@ -13,9 +14,11 @@ constexpr int kMaxPairs = 4096;
 __global__ void __launch_bounds__(kThreads)
     group_kernel(const int32_t* __restrict__ ids, int n, int top_k, int E,
                  int32_t* __restrict__ slot_expert, int32_t* __restrict__ slot_offsets,
-                 int32_t* __restrict__ row_index, int32_t* __restrict__ position) {
+                 int32_t* __restrict__ row_index, int32_t* __restrict__ position, bool compact) {
+  K3_PDL_ENTRY();
   __shared__ int count[kMaxExperts + 1];
   __shared__ int id_of[kMaxPairs];
+  __shared__ int n_active;
   for (int e = threadIdx.x; e <= E; e += kThreads) count[e] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < n; p += kThreads) {
@@ -25,17 +28,30 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   if (threadIdx.x == 0) {  // exclusive prefix over <= 1024 experts: cheap next to the GEMMs
-    int run = 0;
+    int run = 0, active = 0;
     for (int e = 0; e < E; ++e) {
       const int c = count[e];
-      slot_offsets[e] = run;
-      slot_expert[e] = c > 0 ? e : -1;
+      if (!compact) {
+        slot_offsets[e] = run;
+        slot_expert[e] = c > 0 ? e : -1;
+      } else if (c > 0) {  // slot = rank of e among the active experts
+        slot_offsets[active] = run;
+        slot_expert[active] = e;
+        ++active;
+      }
       count[e] = run;
       run += c;
     }
     slot_offsets[E] = run;
+    n_active = active;
+    count[E] = run;
   }
   __syncthreads();
+  if (compact)  // the unused tail: empty slots at the end of the pairs
+    for (int sl = n_active + threadIdx.x; sl < E; sl += kThreads) {
+      slot_expert[sl] = -1;
+      slot_offsets[sl] = count[E];
+    }
   // Rank of pair p among the earlier pairs of its expert: stable, so the order is deterministic.
   for (int p = threadIdx.x; p < n; p += kThreads) {
     const int e = id_of[p];
@@ -47,11 +63,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace
-
-void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, int num_experts,
-                         int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
-                         int32_t* position, cudaStream_t stream) {
+void launch_group(const int32_t* ids, int64_t rows, int top_k, int num_experts,
+                  int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
+                  int32_t* position, bool compact, cudaStream_t stream) {
   const int64_t n = rows * top_k;
   K3_CHECK(num_experts >= 1 && num_experts <= kMaxExperts, "moe_group_by_expert: ", num_experts,
            " experts (at most ", kMaxExperts, ")");
@@ -59,8 +73,24 @@ void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, int num_ex
            kMaxPairs, ")");
   if (n == 0) return;
   group_kernel<<<1, kThreads, 0, stream>>>(ids, static_cast<int>(n), top_k, num_experts,
-                                           slot_expert, slot_offsets, row_index, position);
+                                           slot_expert, slot_offsets, row_index, position, compact);
   K3_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, int num_experts,
+                         int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
+                         int32_t* position, cudaStream_t stream) {
+  launch_group(ids, rows, top_k, num_experts, slot_expert, slot_offsets, row_index, position, false,
+               stream);
+}
+
+void moe_group_by_expert_compact(const int32_t* ids, int64_t rows, int top_k, int num_experts,
+                                 int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
+                                 int32_t* position, cudaStream_t stream) {
+  launch_group(ids, rows, top_k, num_experts, slot_expert, slot_offsets, row_index, position, true,
+               stream);
 }
 
 }  // namespace k3::cuda

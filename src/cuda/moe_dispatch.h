@@ -21,4 +21,15 @@ void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, int num_ex
                          int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
                          int32_t* position, cudaStream_t stream);
 
+// The same grouping with the active experts packed to the front, so the grouped GEMMs can run
+// over min(E, rows * top_k) slots instead of E:
+// slot_expert:  [E] int32: slot i < n_active holds the i-th active expert (ascending id);
+//               slots n_active..E-1 hold -1
+// slot_offsets: [E + 1] int32: slot i's pairs are [slot_offsets[i], slot_offsets[i+1]); from
+//               slot n_active on, every entry equals rows * top_k (empty slots)
+// row_index, position: identical to moe_group_by_expert (pairs by expert id, then stable).
+void moe_group_by_expert_compact(const int32_t* ids, int64_t rows, int top_k, int num_experts,
+                                 int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
+                                 int32_t* position, cudaStream_t stream);
+
 }  // namespace k3::cuda

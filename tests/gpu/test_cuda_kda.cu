@@ -127,12 +127,16 @@ struct KdaLayer {
 
   void launch(const DeviceBuffer<bf16>& u, const DeviceBuffer<bf16>& f, const DeviceBuffer<bf16>& b,
               const DeviceBuffer<bf16>& z, DeviceBuffer<bf16>& out, cudaStream_t stream) {
+    launch(u.data(), f.data(), b.data(), z.data(), out.data(), stream, {});
+  }
+  void launch(const bf16* u, const bf16* f, const bf16* b, const bf16* z, bf16* out,
+              cudaStream_t stream, const cuda::KdaDecodeStrides& ld) {
     if (c.bf16_state)
-      cuda::kda_decode_step(u.data(), f.data(), b.data(), z.data(), w, d_slots.data(),
-                            d_conv_state.data(), d_state_bf16.data(), out.data(), shape, stream);
+      cuda::kda_decode_step(u, f, b, z, w, d_slots.data(), d_conv_state.data(), d_state_bf16.data(),
+                            out, shape, stream, ld);
     else
-      cuda::kda_decode_step(u.data(), f.data(), b.data(), z.data(), w, d_slots.data(),
-                            d_conv_state.data(), d_state_f32.data(), out.data(), shape, stream);
+      cuda::kda_decode_step(u, f, b, z, w, d_slots.data(), d_conv_state.data(), d_state_f32.data(),
+                            out, shape, stream, ld);
   }
   std::vector<float> device_state() const {
     return c.bf16_state ? to_floats(cuda::to_host<uint16_t>(d_state_bf16))
@@ -278,6 +282,73 @@ TEST(CudaKda, GraphReplayEqualsEager) {
   K3_CUDA_CHECK(cudaGraphExecDestroy(ge));
   K3_CUDA_CHECK(cudaGraphDestroy(g));
   K3_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+// Inputs read in place from one wide row (as from a fused projection GEMM), with NaN in the gaps
+// and in the tail of each row, equal the packed call bit for bit: out, state and conv window.
+void run_strided_case(const Case& c) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed) + " " + name(c));
+  Rng rng(seed);
+  KdaLayer packed(c, rng);
+  Rng rng2(seed);
+  KdaLayer strided(c, rng2);  // same seed: identical weights, states and slots
+  const int64_t P = packed.P, H = c.heads, R = c.rows;
+  // One row: [u 3P][gap 3][z P][gap 5][f P][gap 1][beta H][gap 7]; odd gaps on purpose.
+  const int64_t off_u = 0, off_z = 3 * P + 3, off_f = off_z + P + 5, off_b = off_f + P + 1;
+  const int64_t n = off_b + H + 7;
+  const cuda::KdaDecodeStrides ld{n, n, n, n};
+  const size_t out_n = static_cast<size_t>(R * P);
+  DeviceBuffer<bf16> out_p(out_n), out_s(out_n);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    Inputs in = make_inputs(rng, c, P);
+    std::vector<uint16_t> wide(static_cast<size_t>(R * n), 0xffff);  // bf16 NaN everywhere
+    const auto place = [&](const std::vector<float>& src, int64_t width, int64_t off) {
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t i = 0; i < width; ++i)
+          wide[static_cast<size_t>(r * n + off + i)] = float_to_bf16(src[r * width + i]);
+    };
+    place(in.u, 3 * P, off_u);
+    place(in.z, P, off_z);
+    place(in.f, P, off_f);
+    place(in.b, H, off_b);
+    const DeviceBuffer<bf16> d_wide = cuda::to_device<bf16>(wide);  // [R][n] bf16
+    out_p.fill_bytes(0xff);
+    out_s.fill_bytes(0xff);
+    packed.launch(in.du, in.df, in.db, in.dz, out_p, nullptr);
+    const bf16* base = d_wide.data();
+    strided.launch(base + off_u, base + off_f, base + off_b, base + off_z, out_s.data(), nullptr,
+                   ld);
+    K3_CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<uint16_t> op = cuda::to_host<uint16_t>(out_p);
+    EXPECT_EQ(op, cuda::to_host<uint16_t>(out_s)) << "out";
+    EXPECT_TRUE(std::none_of(op.begin(), op.end(), [](uint16_t b) {
+      return std::isnan(bf16_to_float(b));
+    })) << "packed out has NaN";
+    EXPECT_EQ(packed.device_state(), strided.device_state()) << "state (every slot)";
+    EXPECT_EQ(cuda::to_host<uint16_t>(packed.d_conv_state),
+              cuda::to_host<uint16_t>(strided.d_conv_state))
+        << "conv window (every slot)";
+  }
+}
+
+TEST(CudaKda, StridedInputsEqualPackedFp32State) {
+  run_strided_case({6, 128, 5, 9, false, true});
+}
+TEST(CudaKda, StridedInputsEqualPackedBf16StateD32) {
+  run_strided_case({5, 32, 4, 7, true, false});
+}
+
+// A stride narrower than the row is a caller error.
+TEST(CudaKda, StrideNarrowerThanRowRaises) {
+  const Case c{2, 32, 1, 1, false, true};
+  Rng rng(1);
+  KdaLayer st(c, rng);
+  DeviceBuffer<bf16> buf(static_cast<size_t>(8 * st.P)), out(static_cast<size_t>(st.P));
+  const bf16* p = buf.data();
+  EXPECT_THROW(st.launch(p, p, p, p, out.data(), nullptr, {3 * st.P - 1, 0, 0, 0}), Error);
+  EXPECT_THROW(st.launch(p, p, p, p, out.data(), nullptr, {0, 0, 1, 0}), Error);
 }
 
 }  // namespace

@@ -1,0 +1,245 @@
+// AttnRes mix + RMSNorm. The mix half is attn_res.cu's kernel step for step (same cluster shape,
+// same per-thread vectors, same reduction and accumulation order), so h has attn_res_mix's
+// bits. The mixed vector then stays in registers: it is rounded to bf16, its sum of squares
+// reduces warp -> CTA -> cluster (rank order) like the scores did, and every CTA scales its
+// slice. Compared with attn_res_mix + rms_norm this saves a launch, h's round trip through
+// memory and the norm's single-CTA-per-row reduction.
+#include "cuda/attn_res_norm.h"
+
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "cuda/check.h"
+#include "cuda/cluster_launch.cuh"
+#include "cuda/device_util.cuh"
+#include "cuda/pdl.cuh"
+
+namespace k3::cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+using detail::aligned16;
+constexpr int kMaxS = AttnResSources::kMax;
+constexpr int kMaxThreads = 512;
+
+__device__ __forceinline__ float bf_lo(uint32_t w) {
+  return __uint_as_float(w << 16);
+}
+__device__ __forceinline__ float bf_hi(uint32_t w) {
+  return __uint_as_float(w & 0xffff0000u);
+}
+
+// 8 bf16 as raw bits; vec: aligned and in bounds, else the first n_valid element-wise, rest 0.
+__device__ __forceinline__ uint4 load_raw8(const __nv_bfloat16* p, bool vec, int n_valid) {
+  if (vec) return *reinterpret_cast<const uint4*>(p);
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    if (i < n_valid) w[i / 2] |= static_cast<uint32_t>(q[i]) << (16 * (i & 1));
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__global__ void __launch_bounds__(kMaxThreads)
+    attn_res_norm_kernel(const __grid_constant__ AttnResSources s, int n, int64_t row_stride,
+                         const float* score_w, int hidden, float eps, const float* norm_w,
+                         __nv_bfloat16* x_out, int64_t x_stride, __nv_bfloat16* h_out,
+                         int64_t h_stride, bool vec) {
+  K3_PDL_ENTRY();
+  // sources s.src[j]: [rows, hidden] bf16; score_w, norm_w: [hidden] fp32 (norm_w may be null);
+  // x_out: [rows, hidden] bf16; h_out: [rows, hidden] bf16 or null
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = blockIdx.x / C;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = blockDim.x >> 5;
+
+  __shared__ float red[kMaxThreads / 32][2 * kMaxS];  // per-warp partials: ss then dot
+  __shared__ float part[2 * kMaxS];                   // this CTA's sums (read by the cluster)
+  __shared__ float total[2 * kMaxS];                  // the row's sums
+  __shared__ float red_h[kMaxThreads / 32];           // per-warp sum of h^2
+  __shared__ float part_h;                            // this CTA's sum of h^2 (cluster-read)
+  __shared__ float total_h;                           // the row's sum of h^2
+
+  const int e0 = (rank * blockDim.x + threadIdx.x) * 8;  // first element of this thread's vector
+  const bool live = e0 < hidden;
+  const int nvalid = live ? min(8, hidden - e0) : 0;
+
+  // ---- Mix (as attn_res_kernel) ----
+  uint4 v[kMaxS];
+#pragma unroll
+  for (int j = 0; j < kMaxS; ++j)
+    v[j] = (j < n && live) ? load_raw8(s.src[j] + row * row_stride + e0, vec, nvalid)
+                           : make_uint4(0, 0, 0, 0);
+  float w[8];
+  if (live)
+    detail::load_f32x8(score_w + e0, vec, nvalid, w);
+  else
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = 0.0f;
+
+#pragma unroll
+  for (int j = 0; j < kMaxS; ++j) {
+    if (j >= n) break;
+    const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+    float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float a = bf_lo(u[k]), b = bf_hi(u[k]);
+      ss += a * a + b * b;
+      dot += a * w[2 * k] + b * w[2 * k + 1];
+    }
+    ss = detail::warp_sum(ss);
+    dot = detail::warp_sum(dot);
+    if (lane == 0) {
+      red[warp][j] = ss;
+      red[warp][kMaxS + j] = dot;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
+    float t = 0.0f;
+    for (int q = 0; q < nwarps; ++q) t += red[q][threadIdx.x];
+    part[threadIdx.x] = t;
+  }
+  cluster.sync();  // every CTA's part[] is written
+  if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
+    float t = 0.0f;
+    for (int q = 0; q < C; ++q) t += cluster.map_shared_rank(part, q)[threadIdx.x];
+    total[threadIdx.x] = t;
+  }
+  // total[] visible in this CTA. No CTA exits (or rewrites part[]) before the two cluster
+  // syncs of the norm below, so the remote reads above need no cluster barrier of their own.
+  __syncthreads();
+
+  float p[kMaxS];
+  float m = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < kMaxS; ++j) {
+    p[j] = j < n ? total[kMaxS + j] / sqrtf(total[j] / static_cast<float>(hidden) + eps) : 0.0f;
+    if (j < n) m = fmaxf(m, p[j]);
+  }
+  if (n == 1) {
+    p[0] = 1.0f;  // layer 0: no mixing, h = v_0 exactly (as the CPU reference)
+  } else {
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kMaxS; ++j)
+      if (j < n) sum += (p[j] = expf(p[j] - m));
+    const float inv = 1.0f / sum;
+#pragma unroll
+    for (int j = 0; j < kMaxS; ++j) p[j] *= inv;
+  }
+
+  float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+  for (int j = 0; j < kMaxS; ++j) {
+    if (j >= n) break;
+    const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      o[2 * k] += p[j] * bf_lo(u[k]);
+      o[2 * k + 1] += p[j] * bf_hi(u[k]);
+    }
+  }
+
+  // ---- RMSNorm of the bf16-rounded h ----
+  float nw[8];  // issued now: its latency hides behind the reduction
+  if (live && norm_w)
+    detail::load_f32x8(norm_w + e0, vec, nvalid, nw);
+  else
+#pragma unroll
+    for (int k = 0; k < 8; ++k) nw[k] = 1.0f;
+  float h[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __nv_bfloat162 r = __floats2bfloat162_rn(o[2 * k], o[2 * k + 1]);
+    h[2 * k] = __low2float(r);
+    h[2 * k + 1] = __high2float(r);
+  }
+  if (live && h_out) detail::store_bf16x8(h_out + row * h_stride + e0, vec, nvalid, h);
+  // Elements past hidden are 0 (zero-loaded sources), so they add nothing.
+  float hs = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) hs += h[k] * h[k];
+  hs = detail::warp_sum(hs);
+  if (lane == 0) red_h[warp] = hs;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (int q = 0; q < nwarps; ++q) t += red_h[q];
+    part_h = t;
+  }
+  cluster.sync();  // every CTA's part_h is written
+  if (threadIdx.x == 0) {
+    float t = 0.0f;
+    for (int q = 0; q < C; ++q) t += *cluster.map_shared_rank(&part_h, q);
+    total_h = t;
+  }
+  cluster.sync();  // remote reads done (no CTA leaves while others read it); total_h visible
+
+  if (!live) return;
+  const float inv = 1.0f / sqrtf(total_h / static_cast<float>(hidden) + eps);
+  float x[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) x[k] = h[k] * inv * nw[k];  // (h * inv) * w, as the references
+  detail::store_bf16x8(x_out + row * x_stride + e0, vec, nvalid, x);
+}
+
+}  // namespace
+
+void attn_res_mix_norm(const AttnResSources& sources, int n_sources, int64_t row_stride,
+                       const float* score_w, int64_t rows, int64_t hidden, float eps,
+                       const float* norm_w, __nv_bfloat16* x_out, int64_t x_stride,
+                       cudaStream_t stream, __nv_bfloat16* h_out, int64_t h_stride) {
+  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax,
+           "cuda::attn_res_mix_norm: ", n_sources, " sources (1..", AttnResSources::kMax, ")");
+  K3_CHECK(rows >= 0 && hidden > 0, "cuda::attn_res_mix_norm: rows ", rows, ", hidden ", hidden);
+  K3_CHECK(row_stride >= hidden && x_stride >= hidden && (h_out == nullptr || h_stride >= hidden),
+           "cuda::attn_res_mix_norm: strides ", row_stride, "/", x_stride, "/", h_stride,
+           " below hidden ", hidden);
+  K3_CHECK(score_w && x_out, "cuda::attn_res_mix_norm: null score vector or output");
+  bool vec = hidden % 8 == 0 && row_stride % 8 == 0 && x_stride % 8 == 0 && aligned16(x_out) &&
+             aligned16(score_w) && (norm_w == nullptr || aligned16(norm_w)) &&
+             (h_out == nullptr || (h_stride % 8 == 0 && aligned16(h_out)));
+  for (int j = 0; j < n_sources; ++j) {
+    K3_CHECK(sources.src[j] != nullptr, "cuda::attn_res_mix_norm: source ", j, " is null");
+    vec = vec && aligned16(sources.src[j]);
+  }
+  if (rows == 0) return;
+  // The cluster shape of attn_res_mix (the mix's bits depend on it): C CTAs of T threads, one
+  // 8-element vector per thread.
+  const int64_t nv = (hidden + 7) / 8;
+  const int C = static_cast<int>(std::clamp<int64_t>((nv + 127) / 128, 1, 8));
+  const int64_t T = ((nv + C - 1) / C + 31) / 32 * 32;
+  K3_CHECK(T <= kMaxThreads, "cuda::attn_res_mix_norm: hidden ", hidden, " above the ",
+           8 * kMaxThreads * 8, " this kernel holds in registers");
+  K3_CHECK(rows * C <= 0x7fffffff, "cuda::attn_res_mix_norm: too many rows ", rows);
+
+  const detail::ClusterLaunch launch(dim3(static_cast<unsigned>(rows * C)),
+                                     dim3(static_cast<unsigned>(T)), 0, stream,
+                                     static_cast<unsigned>(C));
+  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, attn_res_norm_kernel, sources, n_sources,
+                                   row_stride, score_w, static_cast<int>(hidden), eps, norm_w,
+                                   x_out, x_stride, h_out, h_stride, vec));
+}
+
+void attn_res_mix_norm(const __nv_bfloat16* bank, int n_sources, int64_t source_stride,
+                       int64_t row_stride, const float* score_w, int64_t rows, int64_t hidden,
+                       float eps, const float* norm_w, __nv_bfloat16* x_out, int64_t x_stride,
+                       cudaStream_t stream, __nv_bfloat16* h_out, int64_t h_stride) {
+  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax,
+           "cuda::attn_res_mix_norm: ", n_sources, " sources (1..", AttnResSources::kMax, ")");
+  K3_CHECK(bank != nullptr, "cuda::attn_res_mix_norm: null bank");
+  K3_CHECK(source_stride >= rows * row_stride, "cuda::attn_res_mix_norm: source stride ",
+           source_stride, " below rows * row_stride ", rows * row_stride);
+  AttnResSources s;
+  for (int j = 0; j < n_sources; ++j) s.src[j] = bank + j * source_stride;
+  attn_res_mix_norm(s, n_sources, row_stride, score_w, rows, hidden, eps, norm_w, x_out, x_stride,
+                    stream, h_out, h_stride);
+}
+
+}  // namespace k3::cuda
