@@ -11,6 +11,7 @@
 #include "cuda/attn_res.h"
 #include "cuda/backbone_buffers.h"
 #include "cuda/check.h"
+#include "cuda/graph_pdl.h"
 #include "cuda/rms_norm.h"
 #include "cuda/step_ops.h"
 
@@ -39,11 +40,76 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
       mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r)));
   buf_ = std::make_unique<Buffers>(cfg, *weights_, opt.max_rows, pool_->pages_per_slot(),
                                    opt.pool.max_context, mla_ws);
+  K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+  K3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+  K3_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  for (size_t i = 0; i < opt.capture_sizes.size(); ++i)
+    K3_CHECK(opt.capture_sizes[i] >= 1 && opt.capture_sizes[i] <= opt.max_rows &&
+                 (i == 0 || opt.capture_sizes[i] > opt.capture_sizes[i - 1]),
+             "capture sizes must ascend within 1..max_rows (", opt.max_rows, ")");
+  capture_specialized();
+}
+
+void CudaBackbone::capture_specialized() {
+  if (opt_.capture_sizes.empty() || !opt_.use_graphs) return;
+  // Warm-up steps (kernel attributes, plans) and captures run on slots 0..n-1, which are reset
+  // afterwards: no request exists yet.
+  std::vector<int32_t> slots, tokens;
+  for (const int n : opt_.capture_sizes) {
+    slots.resize(static_cast<size_t>(n));
+    tokens.assign(static_cast<size_t>(n), 0);
+    for (int r = 0; r < n; ++r) slots[static_cast<size_t>(r)] = r;
+    step(slots, tokens, StepPath::Specialized);  // eager
+    step(slots, tokens, StepPath::Specialized);  // captured
+  }
+  for (int r = 0; r < opt_.capture_sizes.back(); ++r) reset_slot(r);
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackbone::set_specialized_tuning(bool pdl, size_t l2_prefetch_bytes) {
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (auto it = graphs_.begin(); it != graphs_.end();) {
+    if (it->first % 2 == 1) {
+      K3_CUDA_CHECK(cudaGraphExecDestroy(it->second));
+      it = graphs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  opt_.pdl = pdl;
+  opt_.l2_prefetch_bytes = l2_prefetch_bytes;
+  capture_specialized();
+}
+
+void CudaBackbone::rebind_cache(const SlotPoolShape& shape) {
+  K3_CHECK(shape.slots >= 1, "rebind_cache: at least one slot");
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  while (!opt_.capture_sizes.empty() && opt_.capture_sizes.back() > shape.slots)
+    opt_.capture_sizes.pop_back();
+  for (auto& [key, exec] : graphs_) K3_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  graphs_.clear();
+  ran_eager_.clear();
+  mla_plans_.clear();
+  opt_.pool = shape;
+  buf_.reset();
+  pool_.reset();
+  pool_ = std::make_unique<SlotPool>(cfg_, opt_.pool);
+  host_pos_.assign(static_cast<size_t>(opt_.pool.slots), 0);
+  size_t mla_ws = 0;
+  if (cfg_.num_hidden_layers > static_cast<int>(cfg_.linear_attn_config.kda_layers.size()))
+    for (int r = 1; r <= opt_.max_rows; ++r)
+      mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r)));
+  buf_ = std::make_unique<Buffers>(cfg_, *weights_, opt_.max_rows, pool_->pages_per_slot(),
+                                   opt_.pool.max_context, mla_ws);
+  capture_specialized();
 }
 
 CudaBackbone::~CudaBackbone() {
   // Destructors must not throw: errors here are left for the next checked call.
-  for (auto& [rows, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
+  for (auto& [key, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
+  if (fork_) (void)cudaEventDestroy(fork_);
+  if (join_) (void)cudaEventDestroy(join_);
+  if (side_) (void)cudaStreamDestroy(side_);
   if (host_in_) (void)cudaFreeHost(host_in_);
   if (inputs_copied_) (void)cudaEventDestroy(inputs_copied_);
   if (stream_) (void)cudaStreamDestroy(stream_);
@@ -92,12 +158,15 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows) {
   return mla_plans_.emplace(rows, plan_mla_decode(p, sms_)).first->second;
 }
 
-void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t> tokens) {
+void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                        StepPath path) {
   const int64_t rows = static_cast<int64_t>(slots.size());
-  K3_CHECK(rows >= 1 && rows <= opt_.max_rows, "a step takes 1..", opt_.max_rows, " rows, got ",
-           rows);
+  K3_CHECK(rows >= 1 && rows <= opt_.max_rows && rows <= pool_->slots(), "a step takes 1..",
+           std::min<int64_t>(opt_.max_rows, pool_->slots()), " rows, got ", rows);
   K3_CHECK(tokens.size() == slots.size(), "step: ", slots.size(), " slots but ", tokens.size(),
            " tokens");
+  K3_CHECK(path == StepPath::Stock || rows <= max_capture_rows(), "a specialized step takes 1..",
+           max_capture_rows(), " rows (the largest capture size), got ", rows);
   std::vector<bool> used(static_cast<size_t>(pool_->slots()), false);
   for (int64_t r = 0; r < rows; ++r) {
     const int32_t s = slots[static_cast<size_t>(r)], t = tokens[static_cast<size_t>(r)];
@@ -121,36 +190,134 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
                        stream_);
   K3_CUDA_CHECK(cudaEventRecord(inputs_copied_, stream_));
 
-  if (!opt_.use_graphs || tap_) {
-    enqueue(rows);
-    return;
-  }
-  auto it = graphs_.find(rows);
-  if (it == graphs_.end() && !ran_eager_[rows]) {
+  if (!opt_.use_graphs || tap_ || marks_)
+    enqueue(rows, path);
+  else
+    run_graph(rows, path);
+}
+
+void CudaBackbone::run_graph(int64_t rows, StepPath path) {
+  const int64_t key = rows * 2 + (path == StepPath::Specialized ? 1 : 0);
+  auto it = graphs_.find(key);
+  if (it == graphs_.end() && !ran_eager_[key]) {
     // First step of this size runs eagerly: it sets kernel attributes and caches plans, which
     // must not happen inside a capture.
-    enqueue(rows);
-    ran_eager_[rows] = true;
+    enqueue(rows, path);
+    ran_eager_[key] = true;
     return;
   }
   if (it == graphs_.end()) {
     cudaGraph_t graph = nullptr;
     K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
     try {
-      enqueue(rows);
+      enqueue(rows, path);
     } catch (...) {
       (void)cudaStreamEndCapture(stream_, &graph);
       if (graph) (void)cudaGraphDestroy(graph);
       throw;
     }
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    if (path == StepPath::Specialized && opt_.pdl) {
+      try {
+        make_kernel_edges_programmatic(graph);
+      } catch (...) {
+        (void)cudaGraphDestroy(graph);
+        throw;
+      }
+    }
     cudaGraphExec_t exec = nullptr;
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     K3_CUDA_CHECK(inst);
-    it = graphs_.emplace(rows, exec).first;
+    it = graphs_.emplace(key, exec).first;
   }
   K3_CUDA_CHECK(cudaGraphLaunch(it->second, stream_));
+}
+
+void CudaBackbone::enqueue(int64_t rows, StepPath path) {
+  if (path == StepPath::Specialized)
+    enqueue_specialized(rows);
+  else
+    enqueue_stock(rows);
+}
+
+void CudaBackbone::mark(const char* stage) {
+  if (!marks_) return;
+  Marks& m = *marks_;
+  if (m.used == m.events.size()) {
+    cudaEvent_t e = nullptr;
+    K3_CUDA_CHECK(cudaEventCreate(&e));
+    m.events.push_back(e);
+    m.names.emplace_back();
+  }
+  m.names[m.used] = stage;
+  cudaStreamCaptureStatus st{};
+  K3_CUDA_CHECK(cudaStreamIsCapturing(stream_, &st));
+  // In a capture, an external record becomes an event node the replay records (for timing).
+  if (st == cudaStreamCaptureStatusActive)
+    K3_CUDA_CHECK(cudaEventRecordWithFlags(m.events[m.used], stream_, cudaEventRecordExternal));
+  else
+    K3_CUDA_CHECK(cudaEventRecord(m.events[m.used], stream_));
+  ++m.used;
+}
+
+std::vector<StageTime> CudaBackbone::profile_step(std::span<const int32_t> slots,
+                                                  std::span<const int32_t> tokens, StepPath path,
+                                                  int replays) {
+  K3_CHECK(replays >= 1, "profile_step: replays must be >= 1");
+  K3_CHECK(!tap_, "profile_step with a layer tap set");
+  Marks marks;
+  std::vector<std::vector<double>> per_stage;
+  std::vector<std::string> order;
+  cudaGraphExec_t exec = nullptr;
+  marks_ = &marks;
+  try {
+    step(slots, tokens, path);  // eager: attributes, plans
+    marks.used = 0;
+    // Capture by hand (step() would replay the plain graph): inputs are already staged.
+    cudaGraph_t graph = nullptr;
+    K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    mark("start");
+    enqueue(static_cast<int64_t>(slots.size()), path);
+    mark("end");
+    K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    if (path == StepPath::Specialized && opt_.pdl) make_kernel_edges_programmatic(graph);
+    const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    K3_CUDA_CHECK(inst);
+    for (int i = 0; i < replays; ++i) {
+      K3_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+      K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::map<std::string, double> sum;
+      for (size_t j = 1; j < marks.used; ++j) {
+        float t = 0;
+        K3_CUDA_CHECK(cudaEventElapsedTime(&t, marks.events[j - 1], marks.events[j]));
+        // The interval before mark j belongs to the stage mark j - 1 opened.
+        const std::string& st = marks.names[j - 1];
+        if (sum.find(st) == sum.end() && i == 0) order.push_back(st);
+        sum[st] += t;
+      }
+      if (per_stage.empty()) per_stage.resize(order.size());
+      for (size_t k = 0; k < order.size(); ++k) per_stage[k].push_back(sum[order[k]]);
+    }
+  } catch (...) {
+    marks_ = nullptr;
+    if (exec) (void)cudaGraphExecDestroy(exec);
+    for (cudaEvent_t e : marks.events) (void)cudaEventDestroy(e);
+    throw;
+  }
+  marks_ = nullptr;
+  K3_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  for (cudaEvent_t e : marks.events) K3_CUDA_CHECK(cudaEventDestroy(e));
+  // The replays advanced the positions on the device; mirror them on the host.
+  for (const int32_t s : slots) host_pos_[static_cast<size_t>(s)] += replays;
+  std::vector<StageTime> out;
+  for (size_t k = 0; k < order.size(); ++k) {
+    auto& v = per_stage[k];
+    std::sort(v.begin(), v.end());
+    out.push_back({order[k] == "start" ? "embed" : order[k], v[v.size() / 2]});
+  }
+  return out;
 }
 
 void CudaBackbone::logits_to_host(int64_t rows, float* out) {
@@ -185,7 +352,7 @@ void CudaBackbone::mix(int n_blocks, const float* score_w, int64_t rows, __nv_bf
   attn_res_mix(src, n_blocks + 1, H, score_w, rows, H, cfg_.rms_norm_eps, out, H, nullptr, stream_);
 }
 
-void CudaBackbone::enqueue(int64_t R) {
+void CudaBackbone::enqueue_stock(int64_t R) {
   Buffers& b = *buf_;
   const DeviceWeights& W = *weights_;
   const int64_t H = cfg_.hidden_size;
@@ -198,6 +365,7 @@ void CudaBackbone::enqueue(int64_t R) {
   for (int l = 0; l < cfg_.num_hidden_layers; ++l) {
     const DevLayer& L = W.layers[static_cast<size_t>(l)];
     // Attention side: AttnRes mix of the bank (or the residual stream), norm, KDA or MLA.
+    mark("attn_norm");
     const __nv_bfloat16* hsrc = b.P.data();
     if (cfg_.has_attn_res() && n_blocks > 0) {
       mix(n_blocks, L.attn_res_attn, R, b.h.data());
@@ -225,6 +393,7 @@ void CudaBackbone::enqueue(int64_t R) {
       add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
 
     // MLP side.
+    mark("ffn_norm");
     hsrc = b.P.data();
     if (cfg_.has_attn_res()) {
       mix(n_blocks, L.attn_res_mlp, R, b.h.data());
@@ -239,6 +408,7 @@ void CudaBackbone::enqueue(int64_t R) {
     add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
   }
 
+  mark("lm_head");
   const __nv_bfloat16* hsrc = b.P.data();
   if (cfg_.has_attn_res()) {
     mix(n_blocks, W.output_attn_res, R, b.h.data());

@@ -14,9 +14,11 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "cuda/device_buffer.h"
@@ -31,10 +33,31 @@ namespace k3::cuda {
 // "ffn", and that sublayer's output for every row, [rows][hidden] as floats.
 using LayerTap = std::function<void(int layer, const char* part, const std::vector<float>& out)>;
 
+// Which executor runs a step. Both read and write the same state and boundary tensors, so they
+// interleave freely step by step.
+enum class StepPath {
+  Stock,        // decode_backend = auto: one kernel per op (backbone.cu, backbone_layers.cu)
+  Specialized,  // latency_specialized: fused providers, PDL-chained graphs (backbone_fused.cu)
+};
+
 struct CudaBackboneOptions {
   int max_rows = 64;   // rows (requests) per step
   SlotPoolShape pool;  // slots, context, page size, KDA state dtype
   bool use_graphs = true;
+  // Row counts whose specialized step is captured as a graph once, right after the weights
+  // load (ascending; empty: the specialized path is off). A specialized step takes at most the
+  // largest size (each row count its own graph).
+  std::vector<int> capture_sizes;
+  bool pdl = true;  // specialized graphs: programmatic kernel -> kernel edges (graph_pdl.h)
+  // Specialized path: bytes of the next weights warmed into L2 beside latency-bound kernels
+  // (the KDA recurrence, MLA attention); 0 turns the prefetch off.
+  size_t l2_prefetch_bytes = 24u << 20;
+};
+
+// Time per stage of one step (profile_step), summed over layers: where the time goes.
+struct StageTime {
+  std::string stage;
+  double ms = 0;
 };
 
 class CudaBackbone {
@@ -63,7 +86,8 @@ class CudaBackbone {
 
   // One decode step, asynchronous: row r feeds tokens[r] into slot slots[r] (slots distinct,
   // 1 <= rows <= max_rows). Afterwards logits() holds [rows][vocab] fp32.
-  void step(std::span<const int32_t> slots, std::span<const int32_t> tokens);
+  void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+            StepPath path = StepPath::Stock);
   const float* logits() const;  // [max_rows][vocab] fp32 (device)
   // Waits for the step and copies rows x vocab logits to the host.
   void logits_to_host(int64_t rows, float* out);
@@ -74,12 +98,43 @@ class CudaBackbone {
   // (slow; diff reports only). An empty tap restores normal steps.
   void set_layer_tap(LayerTap tap) { tap_ = std::move(tap); }
 
+  // Per-stage times of one step of `path` (median over `replays` graph replays with an event
+  // between stages; the events cut the programmatic edges at stage boundaries, so the sum is a
+  // little above the plain step). Advances the slots like a step each replay.
+  std::vector<StageTime> profile_step(std::span<const int32_t> slots,
+                                      std::span<const int32_t> tokens, StepPath path, int replays);
+
+  // Replaces the slot pool (a new cache binding: slots, context, page size, cache dtypes) and
+  // rebuilds every graph that baked in the old one; all slots start empty. Rows per step stay
+  // within the new slot count; capture sizes above it are dropped.
+  void rebind_cache(const SlotPoolShape& shape);
+  // Benchmarks (measure on and off): the specialized path's PDL edges and L2 prefetch budget;
+  // the specialized graphs are recaptured (which resets the capture slots 0..largest size-1).
+  void set_specialized_tuning(bool pdl, size_t l2_prefetch_bytes);
+
   int graphs_captured() const { return static_cast<int>(graphs_.size()); }
+  bool specialized_ready() const { return !opt_.capture_sizes.empty(); }
+  int max_capture_rows() const {
+    return opt_.capture_sizes.empty() ? 0 : opt_.capture_sizes.back();
+  }
   uint64_t weight_bytes() const { return weights_->bytes(); }
 
  private:
   struct Buffers;
-  void enqueue(int64_t rows);  // every kernel of one step on stream_
+  void enqueue(int64_t rows, StepPath path);  // every kernel of one step on stream_
+  void run_graph(int64_t rows, StepPath path);  // capture on first use, then replay
+  void capture_specialized();                   // every capture size, at load / rebind
+  void enqueue_stock(int64_t rows);
+  void enqueue_specialized(int64_t rows);
+  // Specialized providers (backbone_fused.cu).
+  void attn_kda_fused(int layer, int64_t rows);
+  void ffn_moe_fused(int layer, int64_t rows);
+  void ffn_dense_fused(int layer, int64_t rows);
+  void mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t rows);
+  void fork_side();  // side_ waits for stream_'s work so far
+  void join_side();  // stream_ waits for side_
+  void prefetch_l2(std::initializer_list<const DevMatrix*> next);
+  void mark(const char* stage);  // stage boundary (profile_step only)
   void attn_kda(int layer, int64_t rows);
   void attn_mla(int layer, int64_t rows);
   void dsa_select(int layer, int64_t rows);  // fills the rows' selected token lists
@@ -96,8 +151,18 @@ class CudaBackbone {
   cudaStream_t stream_ = nullptr;
   int sms_ = 0;
   std::map<int64_t, MlaDecodePlan> mla_plans_;
+  // Keyed by rows * 2 + path.
   std::map<int64_t, cudaGraphExec_t> graphs_;
   std::map<int64_t, bool> ran_eager_;
+  cudaStream_t side_ = nullptr;  // shared experts and L2 prefetch beside the main chain
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  // profile_step: stage names and their (timing) events, recorded on stream_ in order.
+  struct Marks {
+    std::vector<std::string> names;
+    std::vector<cudaEvent_t> events;
+    size_t used = 0;
+  };
+  Marks* marks_ = nullptr;
   std::vector<int64_t> host_pos_;
   LayerTap tap_;
   void tap(int layer, const char* part,

@@ -58,6 +58,7 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   // Widths: the largest over layers, read from the weights.
   int64_t fa = 0, ga = 0, ffn_i = 0, E = 0, L = 0, inter = 0;
   for (const DevLayer& D : w.layers) {
+    kda_in_n = std::max(kda_in_n, rows_of(D.kda.in_proj));
     fa = std::max(fa, rows_of(D.kda.f_a));
     ga = std::max(ga, rows_of(D.kda.g_a));
     ffn_i = std::max({ffn_i, rows_of(D.dense.gate), rows_of(D.moe_w.shared_gate)});
@@ -126,6 +127,10 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   ffn_u32 = make<float>(R * ffn_i);
   ffn_h = make<__nv_bfloat16>(R * ffn_i);
   shared = make<__nv_bfloat16>(R * H);
+  kda_in = make<__nv_bfloat16>(R * kda_in_n);
+  moe_gu32 = make<float>(R * k * 2 * inter);
+  ffn_gu32 = make<float>(R * 2 * ffn_i);
+  shared_h = make<__nv_bfloat16>(R * ffn_i);
   logits = make<float>(R * cfg.vocab_size);
 }
 

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "cuda/backbone.h"
 #include "cuda/backbone_buffers.h"
+#include "cuda/backbone_ops.h"
 #include "cuda/glu.h"
 #include "cuda/kda_decode.h"
 #include "cuda/latent_cache.h"
@@ -17,7 +18,6 @@
 #include "cuda/step_ops.h"
 
 namespace k3::cuda {
-namespace {
 
 GluAct glu_act(const ModelConfig& cfg) {
   GluAct a;
@@ -57,13 +57,12 @@ void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const*
   }
 }
 
-}  // namespace
-
 void CudaBackbone::attn_kda(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
   const auto& la = cfg_.linear_attn_config;
   const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim();
+  mark("kda_proj");
   // Pre-conv q, k, v side by side: [rows][3][P].
   linear(k.q_proj, b.x.data(), H, R, b.kda_u.data(), 3 * P, false, stream_);
   linear(k.k_proj, b.x.data(), H, R, b.kda_u.data() + P, 3 * P, false, stream_);
@@ -77,6 +76,7 @@ void CudaBackbone::attn_kda(int l, int64_t R) {
     linear(k.g_a, b.x.data(), H, R, b.kda_ga.data(), k.g_a.rows, false, stream_);
     linear(k.g_b, b.kda_ga.data(), k.g_a.rows, R, b.kda_z.data(), P, false, stream_);
   }
+  mark("kda_core");
   KdaDecodeWeights w;
   w.conv = k.conv;
   w.dt_bias = k.dt_bias;
@@ -99,6 +99,7 @@ void CudaBackbone::attn_kda(int l, int64_t R) {
                     b.slots.data(), pool_->conv(l),
                     static_cast<__nv_bfloat16*>(pool_->recurrent(l)), b.kda_gated.data(), shape,
                     stream_);
+  mark("attn_o_proj");
   linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
 }
 
@@ -111,6 +112,7 @@ void CudaBackbone::attn_mla(int l, int64_t R) {
   const int64_t qw = static_cast<int64_t>(nh) * (nope + rope), kvw = kvl + rope;
   constexpr float kLatentEps = ModelConfig::kMlaLatentNormEps;
 
+  mark("mla_proj");
   // Queries: q LoRA (normed latent) or a plain q_proj.
   if (!m.q_a.empty()) {
     const int64_t ql = m.q_a.rows;
@@ -138,6 +140,7 @@ void CudaBackbone::attn_mla(int l, int64_t R) {
                          pool_->page_size(), pool_->latent(l), stream_);
   }
 
+  mark("mla_core");
   const int32_t* selected = nullptr;
   const int32_t* n_selected = nullptr;
   if (m.has_indexer) {
@@ -159,6 +162,7 @@ void CudaBackbone::attn_mla(int l, int64_t R) {
   }
   mla_unabsorb_v(b.mla_o_lat.data(), m.kv_b.bf16(), gate, R, nh, nope, vd, kvl, b.mla_o.data(),
                  stream_);
+  mark("attn_o_proj");
   linear(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, b.sub.data(), H, false,
          stream_);
 }
@@ -167,6 +171,7 @@ void CudaBackbone::ffn_dense(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevDense& d = weights_->layers[static_cast<size_t>(l)].dense;
   const int64_t H = cfg_.hidden_size, I = d.gate.rows;
+  mark("dense_ffn");
   linear(d.gate, b.x.data(), H, R, b.ffn_g32.data(), I, true, stream_);
   linear(d.up, b.x.data(), H, R, b.ffn_u32.data(), I, true, stream_);
   glu(glu_act(cfg_), b.ffn_g32.data(), I, b.ffn_u32.data(), I, R, I, b.ffn_h.data(), I, stream_);
@@ -180,6 +185,7 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   const int k = cfg_.num_experts_per_token;
   const GluAct act = glu_act(cfg_);
 
+  mark("moe_router");
   // Router on the full-width x (fp32 logits); the bias only steers the choice.
   linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
   RouterPlan rp;
@@ -202,6 +208,7 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   }
   const int n = static_cast<int>(R * k), nE = static_cast<int>(E), rows = static_cast<int>(R);
   const int64_t I = m.inter;
+  mark("moe_experts");
   moe_group_by_expert(b.expert_ids.data(), R, k, nE, b.group_expert.data(), b.group_offsets.data(),
                       b.group_rows.data(), b.group_pos.data(), stream_);
   expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(), b.group_offsets.data(),
@@ -213,6 +220,7 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
                 nullptr, nE, rows, b.moe_h.data(), I, L, I, b.moe_y.data(), false, stream_);
 
   // Weighted sum of the choices (the complete sum: the latent norm needs all of it), then up.
+  mark("moe_combine_up");
   const bool up = !m.latent_up.empty();
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
   moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
@@ -227,6 +235,7 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
                                   cudaMemcpyDeviceToDevice, stream_));
     return;
   }
+  mark("moe_shared");
   const int64_t S = m.shared_gate.rows;
   linear(m.shared_gate, b.x.data(), H, R, b.ffn_g32.data(), S, true, stream_);
   linear(m.shared_up, b.x.data(), H, R, b.ffn_u32.data(), S, true, stream_);

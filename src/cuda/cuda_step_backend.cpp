@@ -51,6 +51,19 @@ class CudaBackend final : public serve::StepBackend {
     o.pool.recurrent = kd.recurrent;
     o.pool.latent = cpu::latent_format_of(d.kv_cache_dtype);
     o.max_rows = std::min(d.max_num_seqs, 64);
+    // latency_specialized: the specialized step, captured per size at load. A capture size
+    // counts rows = requests x q; a verify of q tokens runs as q steps of its requests here, so
+    // the graph of size s serves s / q requests.
+    if (const auto dc = specialized_decode_config(cfg, d)) {
+      K3_CHECK(dc->dcp == 1,
+               "the CUDA backend runs one rank: decode_context_parallel_size must be 1, got ",
+               dc->dcp);
+      for (const int s : dc->capture_sizes) {
+        const int requests = std::min(s / dc->q, o.max_rows);
+        if (requests >= 1 && (o.capture_sizes.empty() || requests > o.capture_sizes.back()))
+          o.capture_sizes.push_back(requests);
+      }
+    }
     backbone_ = std::make_unique<CudaBackbone>(cfg, model_->weights, o);
     for (int s = d.max_num_seqs - 1; s >= 0; --s) free_->free.push_back(s);
     verify_start_.assign(static_cast<size_t>(d.max_num_seqs), 0);
@@ -132,6 +145,17 @@ class CudaBackend final : public serve::StepBackend {
     float* logits;  // [tokens][vocab] (all_logits) or [vocab] after the last token, or null
     bool all_logits;
   };
+  // One routing decision per step: a decode-only step (every row one token: a decode row or a
+  // position of a verify) whose row count has a specialized graph runs the specialized path;
+  // prefill, mixed and wider steps run the stock one. Both share every state tensor.
+  StepPath path_of(const std::vector<Row>& rows, size_t step_rows) const {
+    if (!backbone_->specialized_ready() ||
+        static_cast<int>(step_rows) > backbone_->max_capture_rows())
+      return StepPath::Stock;
+    for (const Row& r : rows)
+      if (r.tokens.size() > 1 && !r.all_logits) return StepPath::Stock;  // a prefill chunk
+    return StepPath::Specialized;
+  }
   static int slot_of(serve::SlotState* state) {
     auto* s = dynamic_cast<CudaSlot*>(state);
     K3_CHECK(s != nullptr, "CUDA backend: a state from another backend");
@@ -156,7 +180,7 @@ class CudaBackend final : public serve::StepBackend {
           members.push_back(&rows[i]);
         }
         if (slots.empty()) continue;
-        backbone_->step(slots, toks);
+        backbone_->step(slots, toks, path_of(rows, slots.size()));
         const auto wants = [&](const Row* r) {
           return r->logits && (r->all_logits || t + 1 == r->tokens.size());
         };

@@ -1,0 +1,295 @@
+// The specialized decode step (decode_backend = latency_specialized): the same function as the
+// stock step over the same state and boundary tensors, scheduled as fewer, fused kernels.
+//
+// Per layer, the attention providers are the input projection (one GEMM over the concatenated
+// q|k|v|g|f_a|b rows of a KDA layer), the core (the fused KDA kernel: conv + gates + recurrence
+// + gated norm; MLA's cache append + absorbed attention) and the o-projection; the MoE half is
+// router -> compacted expert grouping -> one grouped GEMM for w1|w3 of every chosen expert ->
+// GLU -> w2 -> combine + latent norm -> latent up, with the shared experts on a side stream
+// overlapping the routed ones. The AttnRes mix and the following RMSNorm are one kernel. The
+// step is captured per capture size with programmatic (PDL) edges between its kernels, so each
+// GEMM streams its first weight tiles while the kernel before it drains; beside the
+// latency-bound cores, a side-stream kernel warms the next projection's weights into L2.
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "cuda/attn_res.h"
+#include "cuda/attn_res_norm.h"
+#include "cuda/backbone.h"
+#include "cuda/backbone_buffers.h"
+#include "cuda/backbone_ops.h"
+#include "cuda/check.h"
+#include "cuda/glu.h"
+#include "cuda/kda_decode.h"
+#include "cuda/l2_prefetch.h"
+#include "cuda/moe_dispatch.h"
+#include "cuda/rms_norm.h"
+#include "cuda/router.h"
+#include "cuda/step_ops.h"
+
+namespace k3::cuda {
+
+void CudaBackbone::fork_side() {
+  K3_CUDA_CHECK(cudaEventRecord(fork_, stream_));
+  K3_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+}
+
+void CudaBackbone::join_side() {
+  K3_CUDA_CHECK(cudaEventRecord(join_, side_));
+  K3_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
+}
+
+// Warms the first l2_prefetch_bytes of the next matrices into L2 on the side stream (the caller
+// forks before and joins after the kernel it runs beside).
+void CudaBackbone::prefetch_l2(std::initializer_list<const DevMatrix*> next) {
+  L2PrefetchList list;
+  size_t budget = opt_.l2_prefetch_bytes;
+  for (const DevMatrix* m : next) {
+    if (budget == 0 || m->empty() || list.n == L2PrefetchList::kMax) break;
+    const size_t elem = m->format == WeightFormat::F32 ? 4 : 2;
+    const size_t bytes = m->format == WeightFormat::MXFP4
+                             ? static_cast<size_t>(m->rows * m->cols / 2)
+                             : static_cast<size_t>(m->rows * m->cols) * elem;
+    const size_t take = std::min(bytes, budget);
+    list.r[list.n++] = L2Range{m->data, take};
+    budget -= take;
+  }
+  if (list.n > 0) l2_prefetch(list, /*ctas=*/16, side_);
+}
+
+void CudaBackbone::mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t R) {
+  Buffers& b = *buf_;
+  const int64_t H = cfg_.hidden_size;
+  if (!cfg_.has_attn_res()) {
+    rms_norm(b.P.data(), H, norm_w, R, H, cfg_.rms_norm_eps, b.x.data(), H, stream_);
+    return;
+  }
+  AttnResSources src;
+  K3_CHECK(n_blocks + 1 <= AttnResSources::kMax, "AttnRes bank of ", n_blocks, " blocks");
+  for (int j = 0; j < n_blocks; ++j) src.src[j] = b.bank_block(j);
+  src.src[n_blocks] = b.P.data();
+  attn_res_mix_norm(src, n_blocks + 1, H, score_w, R, H, cfg_.rms_norm_eps, norm_w, b.x.data(), H,
+                    stream_);
+}
+
+void CudaBackbone::enqueue_specialized(int64_t R) {
+  Buffers& b = *buf_;
+  const DeviceWeights& W = *weights_;
+  const int64_t H = cfg_.hidden_size;
+  mark("embed");
+  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(), pool_->pages_per_slot(),
+               b.row_pos.data(), b.row_seq.data(), b.row_table.data(), stream_);
+  embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
+
+  int n_blocks = 0;
+  for (int l = 0; l < cfg_.num_hidden_layers; ++l) {
+    const DevLayer& L = W.layers[static_cast<size_t>(l)];
+    mark("attn_norm");
+    // The attention input mixes the bank as it stands before this layer's write (the stock
+    // order): with no block yet it is the plain norm of P.
+    const bool restart = cfg_.is_attn_res_write_layer(l);
+    if (cfg_.has_attn_res() && n_blocks > 0)
+      mix_norm(n_blocks, L.attn_res_attn, L.input_norm, R);
+    else
+      rms_norm(b.P.data(), H, L.input_norm, R, H, cfg_.rms_norm_eps, b.x.data(), H, stream_);
+    if (restart) {
+      K3_CUDA_CHECK(cudaMemcpyAsync(b.bank_block(n_blocks), b.P.data(),
+                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
+                                    cudaMemcpyDeviceToDevice, stream_));
+      ++n_blocks;
+    }
+    if (L.kind == LayerKind::KDA && !L.kda.in_proj.empty())
+      attn_kda_fused(l, R);
+    else if (L.kind == LayerKind::KDA)
+      attn_kda(l, R);
+    else
+      attn_mla(l, R);
+    tap(l, "attn", R);
+    if (restart)
+      K3_CUDA_CHECK(cudaMemcpyAsync(b.P.data(), b.sub.data(),
+                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
+                                    cudaMemcpyDeviceToDevice, stream_));
+    else
+      add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+
+    mark("ffn_norm");
+    mix_norm(n_blocks, L.attn_res_mlp, L.post_attn_norm, R);
+    if (L.moe)
+      ffn_moe_fused(l, R);
+    else
+      ffn_dense_fused(l, R);
+    tap(l, "ffn", R);
+    add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+  }
+
+  mark("lm_head");
+  mix_norm(n_blocks, W.output_attn_res, W.final_norm, R);
+  linear(W.lm_head, b.x.data(), H, R, b.logits.data(), cfg_.vocab_size, /*y_fp32=*/true, stream_);
+  advance_rows(b.slots.data(), R, pool_->positions(), stream_);
+}
+
+void CudaBackbone::attn_kda_fused(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
+  const KdaInProjLayout& in = k.in_layout;
+  const auto& la = cfg_.linear_attn_config;
+  const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim(), n = in.n;
+  K3_CHECK(in.q == 0 && in.k == P && in.v == 2 * P, "KDA in_proj: q, k, v must lead the rows");
+  mark("kda_proj");
+  // One GEMM for every projection of x: [rows][q | k | v | g | f_a | b].
+  linear(k.in_proj, b.x.data(), H, R, b.kda_in.data(), n, false, stream_);
+  linear(k.f_b, b.kda_in.data() + in.fa, n, R, b.kda_f.data(), P, false, stream_);
+  const __nv_bfloat16* z = b.kda_in.data() + in.g;
+  int64_t z_ld = n;
+  if (!k.g_a.empty()) {  // LoRA output gate: g_b of the g_a rows
+    linear(k.g_b, b.kda_in.data() + in.g, n, R, b.kda_z.data(), P, false, stream_);
+    z = b.kda_z.data();
+    z_ld = P;
+  }
+  mark("kda_core");
+  KdaDecodeWeights w;
+  w.conv = k.conv;
+  w.dt_bias = k.dt_bias;
+  w.a_log = k.a_log;
+  w.o_norm = k.o_norm;
+  w.gate_lower_bound = la.gate_lower_bound.value_or(std::numeric_limits<float>::quiet_NaN());
+  w.eps = cfg_.rms_norm_eps;
+  w.scale = 1.0f / std::sqrt(static_cast<float>(la.head_dim));
+  KdaDecodeShape shape;
+  shape.rows = R;
+  shape.heads = la.num_heads;
+  shape.head_dim = la.head_dim;
+  shape.kernel = la.short_conv_kernel_size;
+  KdaDecodeStrides st;
+  st.u = n;
+  st.f = P;
+  st.beta = n;
+  st.z = z_ld;
+  const __nv_bfloat16* u = b.kda_in.data();
+  const __nv_bfloat16* beta = b.kda_in.data() + in.b;
+  // The recurrence is latency-bound (a few CTAs per row): warm o_proj into L2 beside it.
+  const bool warm = opt_.l2_prefetch_bytes > 0;
+  if (warm) {
+    fork_side();
+    prefetch_l2({&k.o_proj});
+  }
+  if (pool_->recurrent_dtype() == DType::F32)
+    kda_decode_step(u, b.kda_f.data(), beta, z, w, b.slots.data(), pool_->conv(l),
+                    static_cast<float*>(pool_->recurrent(l)), b.kda_gated.data(), shape, stream_,
+                    st);
+  else
+    kda_decode_step(u, b.kda_f.data(), beta, z, w, b.slots.data(), pool_->conv(l),
+                    static_cast<__nv_bfloat16*>(pool_->recurrent(l)), b.kda_gated.data(), shape,
+                    stream_, st);
+  if (warm) join_side();
+  mark("attn_o_proj");
+  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
+}
+
+void CudaBackbone::ffn_dense_fused(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevDense& d = weights_->layers[static_cast<size_t>(l)].dense;
+  if (d.gate_up.empty()) {
+    ffn_dense(l, R);
+    return;
+  }
+  const int64_t H = cfg_.hidden_size, I = d.gate.rows;
+  mark("dense_ffn");
+  linear(d.gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * I, true, stream_);
+  glu(glu_act(cfg_), b.ffn_gu32.data(), 2 * I, b.ffn_gu32.data() + I, 2 * I, R, I, b.ffn_h.data(),
+      I, stream_);
+  linear(d.down, b.ffn_h.data(), I, R, b.sub.data(), H, false, stream_);
+}
+
+void CudaBackbone::ffn_moe_fused(int l, int64_t R) {
+  Buffers& b = *buf_;
+  const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
+  const int64_t H = cfg_.hidden_size, E = m.gate.rows;
+  const int k = cfg_.num_experts_per_token;
+  const GluAct act = glu_act(cfg_);
+  const bool shared = !m.shared_gate.empty();
+
+  // Shared experts on the side stream, from the same x, overlapping everything routed.
+  if (shared) {
+    fork_side();
+    const int64_t S = m.shared_gate.rows;
+    if (!m.shared_gate_up.empty()) {
+      linear(m.shared_gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, side_);
+    } else {
+      linear(m.shared_gate, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, side_);
+      linear(m.shared_up, b.x.data(), H, R, b.ffn_gu32.data() + S, 2 * S, true, side_);
+    }
+    glu(act, b.ffn_gu32.data(), 2 * S, b.ffn_gu32.data() + S, 2 * S, R, S, b.shared_h.data(), S,
+        side_);
+    linear(m.shared_down, b.shared_h.data(), S, R, b.shared.data(), H, false, side_);
+  }
+
+  mark("moe_router");
+  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
+  RouterPlan rp;
+  rp.num_experts = static_cast<int>(E);
+  rp.top_k = k;
+  rp.num_expert_group = cfg_.num_expert_group;
+  rp.renormalize = cfg_.moe_renormalize;
+  rp.routed_scaling_factor = cfg_.routed_scaling_factor;
+  router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
+              stream_);
+  const __nv_bfloat16* z = b.x.data();
+  int64_t L = H;
+  if (!m.latent_down.empty()) {
+    L = m.latent_down.rows;
+    linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, stream_);
+    z = b.moe_z.data();
+  }
+
+  mark("moe_experts");
+  // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.
+  const int nE = static_cast<int>(E), rows = static_cast<int>(R);
+  const int n = static_cast<int>(R * k);
+  const int slots = std::min(nE, n);
+  const int64_t I = m.inter;
+  moe_group_by_expert_compact(b.expert_ids.data(), R, k, nE, b.group_expert.data(),
+                              b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(),
+                              stream_);
+  if (m.w13) {
+    expert_linear(m.expert_format, m.w13, m.w13_scales, b.group_expert.data(),
+                  b.group_offsets.data(), b.group_rows.data(), slots, rows, z, L, 2 * I, L,
+                  b.moe_gu32.data(), true, stream_);
+  } else {
+    // Separate halves into the same interleaved buffer (row stride 2I) is not expressible
+    // with expert_linear's packed output: run them into the stock buffers instead.
+    expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(),
+                  b.group_offsets.data(), b.group_rows.data(), slots, rows, z, L, I, L,
+                  b.moe_g32.data(), true, stream_);
+    expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(),
+                  b.group_offsets.data(), b.group_rows.data(), slots, rows, z, L, I, L,
+                  b.moe_u32.data(), true, stream_);
+  }
+  const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
+  const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
+  const int64_t gu_ld = m.w13 ? 2 * I : I;
+  glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
+  expert_linear(m.expert_format, m.w2, m.w2_scales, b.group_expert.data(), b.group_offsets.data(),
+                nullptr, slots, rows, b.moe_h.data(), I, L, I, b.moe_y.data(), false, stream_);
+
+  mark("moe_combine_up");
+  const bool up = !m.latent_up.empty();
+  __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
+  moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
+              cfg_.rms_norm_eps, routed, stream_, b.group_pos.data());
+  if (up) {
+    linear(m.latent_up, b.moe_acc.data(), L, R, b.moe_routed.data(), H, false, stream_);
+    routed = b.moe_routed.data();
+  }
+  if (!shared) {
+    K3_CUDA_CHECK(cudaMemcpyAsync(b.sub.data(), routed,
+                                  static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
+                                  cudaMemcpyDeviceToDevice, stream_));
+    return;
+  }
+  join_side();
+  add_bf16(routed, b.shared.data(), R * H, b.sub.data(), stream_);
+}
+
+}  // namespace k3::cuda

@@ -1,0 +1,68 @@
+// Helpers shared by the CUDA backbone tests: cached tiny synthetic models, random prompts,
+// backbone options and logit distances.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+#include "cuda/backbone.h"
+#include "model/loaded_model.h"
+#include "synth/presets.h"
+#include "synth/synthesize.h"
+#include "test_util.h"
+
+namespace k3 {
+
+inline const LoadedModel& tiny_model(const std::string& preset) {
+  static std::map<std::string, std::unique_ptr<LoadedModel>> cache;
+  auto& slot = cache[preset];
+  if (!slot) {
+    const auto dir = test::temp_dir("gpu_backbone_" + preset);
+    SynthOptions so;
+    so.seed = 7;
+    synthesize_checkpoint(synth_preset(preset), dir.string(), so);
+    slot = LoadedModel::load(dir.string());
+  }
+  return *slot;
+}
+
+inline std::vector<int64_t> random_prompt(const ModelConfig& c, uint64_t seed, size_t n) {
+  Rng r(seed);
+  std::vector<int64_t> p;
+  for (size_t i = 0; i < n; ++i)
+    p.push_back(static_cast<int64_t>(r.next_u64() % static_cast<uint64_t>(c.vocab_size)));
+  return p;
+}
+
+inline cuda::CudaBackboneOptions options(int rows, bool graphs, int64_t context = 256) {
+  cuda::CudaBackboneOptions o;
+  o.max_rows = rows;
+  o.pool.slots = rows;
+  o.pool.max_context = context;
+  o.pool.page_size = 16;  // several pages per request, so the block table is exercised
+  o.use_graphs = graphs;
+  return o;
+}
+
+inline double rms(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += static_cast<double>(x) * x;
+  return std::sqrt(s / static_cast<double>(v.size()));
+}
+
+inline double rel_l2(const std::vector<float>& a, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = static_cast<double>(a[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+}  // namespace k3
