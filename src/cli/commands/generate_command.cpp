@@ -65,8 +65,9 @@ void run_generate(const GenerateOpts& o) {
   const ModelConfig& cfg = model->config;
   validate_deploy_config(cfg, dc);
   // Refusals of the specialized path come first, with their reason, even on the CPU.
-  if (specialized_decode_config(cfg, dc))
-    fail("decode_backend latency_specialized runs on the CUDA executor, which this build lacks");
+  if (specialized_decode_config(cfg, dc) && device != "cuda")
+    fail("decode_backend latency_specialized runs on the CUDA executor; this run is on the CPU "
+         "(no GPU, a build without CUDA, or --device cpu)");
   const KdaDtypes kd = kda_dtypes(cfg, dc);
   cpu::Numerics num;
   num.bf16_activations = !o.fp32;
@@ -123,6 +124,11 @@ void run_generate(const GenerateOpts& o) {
     std::fprintf(stderr, "k3: %d CPU ranks (tp %d, dp %d, ep %s, dcp %d)\n", o.layout.world(),
                  o.layout.tp, o.layout.dp, o.layout.ep ? "on" : "off", o.layout.dcp);
     res = parallel::generate(par, req, print);
+  } else if (device == "cuda") {
+    // The CUDA StepBackend (stock path, or latency_specialized's routing) on its own copy of
+    // the checkpoint mapping.
+    const auto backend = serve::make_cuda_backend(LoadedModel::load(dir), dc);
+    res = serve::generate_on(*backend, req, print);
   } else {
     res = cpu::generate(backbone, req, print);
   }

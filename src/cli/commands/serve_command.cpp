@@ -92,8 +92,9 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   auto model = LoadedModel::load(dir);
   const ModelConfig& cfg = model->config;
   validate_deploy_config(cfg, dc);
-  if (specialized_decode_config(cfg, dc))
-    fail("decode_backend latency_specialized runs on the CUDA executor, which this build lacks");
+  if (specialized_decode_config(cfg, dc) && device != "cuda")
+    fail("decode_backend latency_specialized runs on the CUDA executor; this server runs on the "
+         "CPU (no GPU, a build without CUDA, or --device cpu)");
   K3_CHECK(o.max_queued_requests >= 0, "--max-queued-requests must be >= 0");
 
   std::shared_ptr<const serve::TextCodec> codec = serve::TextCodec::load(dir);
