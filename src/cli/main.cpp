@@ -2,8 +2,10 @@
 #include "cli/commands/commands.h"
 
 #ifdef K3_HAVE_CUDA
+#include "cli/commands/diff_hook.h"
 #include "cuda/cuda_step_backend.h"
 #include "cuda/device.h"
+#include "cuda/step_diff.h"
 #include "serve/step_backend.h"
 
 static std::vector<std::string> list_gpus() {
@@ -20,6 +22,7 @@ int main(int argc, char** argv) {
 #ifdef K3_HAVE_CUDA
   k3::cli::set_gpu_probe(list_gpus);
   k3::serve::set_cuda_backend_factory(k3::cuda::make_cuda_step_backend);
+  k3::cli::set_step_diff_runner(k3::cuda::run_step_diff);
 #endif
   return k3::cli::run_cli(argc, argv);
 }

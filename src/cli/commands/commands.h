@@ -13,6 +13,7 @@ void register_generate(CLI::App& app);
 void register_synth(CLI::App& app);
 void register_inspect(CLI::App& app);
 void register_serve(CLI::App& app);
+void register_diff(CLI::App& app);  // diff_command.cpp (the CUDA runner: diff_hook.h)
 
 // Directory of the built-in tiny model, synthesized on first use ($K3_CACHE_DIR, else
 // $XDG_CACHE_HOME/k3, else ~/.cache/k3).

@@ -12,6 +12,7 @@ int run_cli(int argc, char** argv) {
   register_synth(app);
   register_inspect(app);
   register_serve(app);
+  register_diff(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,34 @@
+// `k3 diff`'s hook into the CUDA layer: the specialized vs stock per-layer diff
+// (cuda/step_diff.h) runs on the GPU, but the CLI lives in the CUDA-free engine library. So
+// binaries built with CUDA install the runner from main() (src/cli/main.cpp), as they do the
+// CUDA step backend; without it `k3 diff` says it needs a CUDA GPU.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <vector>
+
+namespace k3 {
+struct LoadedModel;
+}
+
+namespace k3::cli {
+
+// Default per-sublayer (and logits) rel L2 bound: the specialized step fuses GEMMs and norms,
+// so its fp32 sums run in another order; on bf16 boundaries that is ~1e-3 typical and up to
+// ~1e-2 where a rounding flip is amplified by the random tiny models.
+constexpr double kDefaultStepDiffTolerance = 2e-2;
+
+struct StepDiffArgs {
+  int steps = 64;               // generated tokens (after the teacher-forced prompt)
+  std::vector<int32_t> prompt;  // token ids, at least one
+  double tolerance = kDefaultStepDiffTolerance;
+  bool verbose = false;  // per-step lines as well as the table
+};
+
+// Prints the report to out; true when it is within tolerance (the exit status 0 of `k3 diff`).
+using StepDiffRunner = bool (*)(const LoadedModel& model, const StepDiffArgs& args,
+                                std::ostream& out);
+void set_step_diff_runner(StepDiffRunner runner);
+
+}  // namespace k3::cli
