@@ -1,10 +1,15 @@
-// k3_bench_step: the whole stock CUDA decode step (cuda::CudaBackbone) on a synthetic K3
-// checkpoint with real per-rank layer shapes and reduced depth, against the byte floor.
+// k3_bench_step: the whole CUDA decode step (cuda::CudaBackbone), stock and specialized paths in
+// the same run, on a synthetic K3 checkpoint with real per-rank layer shapes, against the byte
+// floor, with a per-stage breakdown of both.
 //
 // Model: the k3 (or k3.1 with --dsa) preset, --layers deep (K3 schedule: every 4th layer and the
-// last are MLA), sharded as one TP rank of --tp: attention heads, KDA heads, the dense FFN and the
-// lm_head vocabulary divided by tp; routed experts --experts per rank (EP: 896 / 16 = 56); shared
-// experts and latent projections whole (replicated, as under EP). Collectives are not run.
+// last are MLA; 93 is the full model), sharded as one TP rank of --tp: attention heads, KDA heads,
+// the dense FFN and the lm_head vocabulary divided by tp; routed experts --experts per rank (EP:
+// 896 / 16 = 56); shared experts and latent projections whole (replicated, as under EP).
+// Collectives are not run. A full-depth rank (~97 GB) does not fit this host's disk as a
+// checkpoint: a --template-layers deep checkpoint (same schedule) is synthesized, and layer l of
+// the rank uses the weights of a template layer of the same kind (KDA / MLA, dense / MoE), each
+// uploaded to its own device memory, so every layer streams its own ~1 GB as a real rank does.
 // Context: every row's cache is made --context long (deterministic synthetic latents).
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
@@ -22,6 +27,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -39,8 +46,9 @@ namespace {
 constexpr double kPeakTBps = 4.3;
 
 struct Args {
-  int layers = 8, tp = 16, experts = 56, replays = 20;
-  bool dsa = false;
+  int layers = 8, tp = 16, experts = 56, replays = 20, template_layers = 8;
+  bool dsa = false, profile = true, tuning = true;
+  std::vector<std::string> paths = {"stock", "specialized"};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int64_t> contexts = {1024, 32768};
   std::string dir;
@@ -74,6 +82,21 @@ Args parse(int argc, char** argv) {
       a.dir = v, ++i;
     else if (k == "--dsa")
       a.dsa = true;
+    else if (k == "--template-layers")
+      a.template_layers = std::atoi(v), ++i;
+    else if (k == "--no-profile")
+      a.profile = false;
+    else if (k == "--no-tuning")
+      a.tuning = false;
+    else if (k == "--paths") {
+      a.paths.clear();
+      for (std::string p = v; !p.empty();) {
+        const size_t c = p.find(',');
+        a.paths.push_back(p.substr(0, c));
+        p = c == std::string::npos ? "" : p.substr(c + 1);
+      }
+      ++i;
+    }
     else if (k == "--batch") {
       a.batches.clear();
       for (int64_t b : parse_list(v)) a.batches.push_back(static_cast<int>(b));
@@ -86,9 +109,9 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-ModelConfig rank_config(const Args& a) {
+ModelConfig rank_config(const Args& a, int layers) {
   ModelConfig c = synth_preset(a.dsa ? "k3.1" : "k3");
-  set_k3_layer_schedule(c, a.layers);
+  set_k3_layer_schedule(c, layers);
   K3_CHECK(c.num_attention_heads % a.tp == 0 && c.linear_attn_config.num_heads % a.tp == 0,
            "--tp must divide the head counts");
   c.num_attention_heads /= a.tp;
@@ -163,17 +186,91 @@ double floor_bytes(const Floor& f, const ModelConfig& c, int rows, int64_t ctx) 
          rows * f.mla_layers * attended * f.latent_row;
 }
 
+// The rank's weights: the template's layers, layer l taking the i-th template layer of its kind
+// (round robin), so the rank has cfg.num_hidden_layers layers of real shapes.
+ModelWeights replicate_layers(const ModelWeights& tmpl, const ModelConfig& cfg) {
+  ModelWeights w = tmpl;
+  w.layers.clear();
+  std::map<std::pair<int, bool>, int> used;
+  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
+    const std::pair<int, bool> kind{static_cast<int>(cfg.layer_kind(l)), cfg.is_moe_layer(l)};
+    std::vector<size_t> same;
+    for (size_t j = 0; j < tmpl.layers.size(); ++j)
+      if (static_cast<int>(tmpl.layers[j].kind) == kind.first && tmpl.layers[j].moe == kind.second)
+        same.push_back(j);
+    K3_CHECK(!same.empty(), "the template checkpoint has no layer of layer ", l, "'s kind");
+    w.layers.push_back(tmpl.layers[same[static_cast<size_t>(used[kind]++) % same.size()]]);
+  }
+  return w;
+}
+
+double median_ms(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median over replays of one step of `path`, L2 flushed before each, events around the step.
+double time_step(cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
+                 const std::vector<int32_t>& toks, cuda::StepPath path, int replays,
+                 cuda::DeviceBuffer<uint8_t>& flush) {
+  cudaEvent_t e0, e1;
+  K3_CUDA_CHECK(cudaEventCreate(&e0));
+  K3_CUDA_CHECK(cudaEventCreate(&e1));
+  bb.step(slots, toks, path);  // eager on first use (attributes, plans) or replay
+  bb.step(slots, toks, path);  // captured
+  std::vector<double> ms;
+  for (int i = 0; i < replays; ++i) {
+    flush.fill_bytes(i & 0xff, bb.stream());
+    K3_CUDA_CHECK(cudaEventRecord(e0, bb.stream()));
+    bb.step(slots, toks, path);
+    K3_CUDA_CHECK(cudaEventRecord(e1, bb.stream()));
+    K3_CUDA_CHECK(cudaEventSynchronize(e1));
+    float t = 0;
+    K3_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  K3_CUDA_CHECK(cudaEventDestroy(e0));
+  K3_CUDA_CHECK(cudaEventDestroy(e1));
+  return median_ms(ms);
+}
+
+bool finite_logits(cuda::CudaBackbone& bb, int rows, size_t V) {
+  std::vector<float> logits(V * static_cast<size_t>(rows));
+  bb.logits_to_host(rows, logits.data());
+  return std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); });
+}
+
+// Logits of the two paths on the same state and tokens: rel L2 (the speed numbers' check).
+double paths_rel_l2(cuda::CudaBackbone& bb, int rows, int64_t ctx, size_t V,
+                    const std::vector<int32_t>& slots, const std::vector<int32_t>& toks) {
+  std::vector<float> a(V * rows), b(V * rows);
+  for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+  bb.step(slots, toks, cuda::StepPath::Stock);
+  bb.logits_to_host(rows, a.data());
+  for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+  bb.step(slots, toks, cuda::StepPath::Specialized);
+  bb.logits_to_host(rows, b.data());
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (static_cast<double>(b[i]) - a[i]) * (static_cast<double>(b[i]) - a[i]);
+    den += static_cast<double>(a[i]) * a[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
 int run(const Args& a) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
     std::printf("no GPU: skipped\n");
     return 77;
   }
-  const ModelConfig cfg = rank_config(a);
+  const ModelConfig cfg = rank_config(a, a.layers);
+  const int tl = std::min(a.layers, a.template_layers);
+  const ModelConfig tcfg = rank_config(a, tl);
   const std::string dir =
       a.dir.empty()
           ? (std::filesystem::temp_directory_path() /
-             ("k3_bench_step_l" + std::to_string(a.layers) + "_tp" + std::to_string(a.tp) + "_e" +
+             ("k3_bench_step_l" + std::to_string(tl) + "_tp" + std::to_string(a.tp) + "_e" +
               std::to_string(a.experts) + (a.dsa ? "_dsa" : "")))
                 .string()
           : a.dir;
@@ -181,70 +278,131 @@ int run(const Args& a) {
   if (!std::filesystem::exists(std::filesystem::path(dir) / "config.json")) {
     SynthOptions so;
     so.seed = 3;
-    synthesize_checkpoint(cfg, dir, so);
+    synthesize_checkpoint(tcfg, dir, so);
   }
   const auto model = LoadedModel::load(dir);
+  const ModelWeights weights = replicate_layers(model->weights, cfg);
   const auto t1 = std::chrono::steady_clock::now();
   const int max_rows = *std::max_element(a.batches.begin(), a.batches.end());
   const int64_t max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
+  const bool want_spec =
+      std::find(a.paths.begin(), a.paths.end(), "specialized") != a.paths.end();
+  const bool want_stock = std::find(a.paths.begin(), a.paths.end(), "stock") != a.paths.end();
+  const int64_t margin = 4 * a.replays + 64;
   cuda::CudaBackboneOptions o;
   o.max_rows = max_rows;
   o.pool.slots = max_rows;
-  o.pool.max_context = max_ctx + 4 * a.replays + 16;
-  cuda::CudaBackbone bb(model->config, model->weights, o);
+  o.pool.max_context = std::min<int64_t>(a.contexts.front(), max_ctx) + margin;
+  if (want_spec) {
+    o.capture_sizes = a.batches;
+    std::sort(o.capture_sizes.begin(), o.capture_sizes.end());
+    o.capture_sizes.erase(std::unique(o.capture_sizes.begin(), o.capture_sizes.end()),
+                          o.capture_sizes.end());
+  }
+  cuda::CudaBackbone bb(cfg, weights, o);
   const auto t2 = std::chrono::steady_clock::now();
-  const Floor fl = floor_of(model->config, model->weights);
+  const Floor fl = floor_of(cfg, weights);
   std::printf(
       "k3_bench_step: %s, %d layers (%d KDA, %d MLA), TP%d rank, %d experts, top-%d, "
-      "weights on GPU %.2f GB; synth+load %.1f s, upload %.1f s\n",
+      "weights on GPU %.2f GB; synth+load %.1f s, upload + capture %.1f s\n",
       a.dsa ? "k3.1" : "k3", cfg.num_hidden_layers, fl.kda_layers, fl.mla_layers, a.tp,
       static_cast<int>(cfg.num_experts), cfg.num_experts_per_token, bb.weight_bytes() / 1e9,
       std::chrono::duration<double>(t1 - t0).count(),
       std::chrono::duration<double>(t2 - t1).count());
 
   cuda::DeviceBuffer<uint8_t> flush(256u << 20);
-  cudaEvent_t e0, e1;
-  K3_CUDA_CHECK(cudaEventCreate(&e0));
-  K3_CUDA_CHECK(cudaEventCreate(&e1));
   const size_t V = static_cast<size_t>(cfg.vocab_size);
-  std::vector<float> logits(V * static_cast<size_t>(max_rows));
-  std::printf("\n%-8s %6s %8s %10s %10s %8s %9s  %s\n", "kernel", "batch", "context", "ms/step",
+  struct Row {
+    int rows;
+    int64_t ctx;
+    double stock = 0, spec = 0, floor_ms = 0, rel = 0;
+  };
+  std::vector<Row> table;
+  std::vector<std::string> profiles;
+  std::printf("\n%-12s %6s %8s %10s %10s %8s %9s  %s\n", "path", "batch", "context", "ms/step",
               "floor ms", "%floor", "GB/s", "check");
   for (const int64_t ctx : a.contexts) {
+    // Bind a cache of this context for as many slots as fit beside the weights.
+    const double per_slot = (ctx + margin) * (fl.mla_layers * fl.latent_row) +
+                            fl.kda_layers * fl.kda_state / 2 + (1 << 20);
+    size_t free_b = 0, total_b = 0;
+    K3_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    cuda::SlotPoolShape shape = o.pool;
+    shape.max_context = ctx + margin;
+    const double have = static_cast<double>(free_b) + (bb.pool().slots() * per_slot) - 4e9;
+    shape.slots = static_cast<int>(std::min<double>(max_rows, std::floor(have / per_slot)));
+    if (shape.slots < 1) {
+      std::printf("context %lld: no slot fits in memory, skipped\n", static_cast<long long>(ctx));
+      continue;
+    }
+    bb.rebind_cache(shape);
     for (const int rows : a.batches) {
+      if (rows > shape.slots) {
+        std::printf("%-12s %6d %8lld   skipped: %d rows x %lld tokens of cache (%.1f GB) do not "
+                    "fit beside %.1f GB of weights\n",
+                    "-", rows, static_cast<long long>(ctx), rows, static_cast<long long>(ctx),
+                    rows * per_slot / 1e9, bb.weight_bytes() / 1e9);
+        continue;
+      }
       std::vector<int32_t> slots(static_cast<size_t>(rows)), toks(static_cast<size_t>(rows));
       for (int r = 0; r < rows; ++r) {
         slots[static_cast<size_t>(r)] = r;
         toks[static_cast<size_t>(r)] = static_cast<int32_t>((r * 7919 + 17) % cfg.vocab_size);
       }
-      for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
-      bb.step(slots, toks);  // eager (attributes, plans)
-      bb.step(slots, toks);  // captured
-      std::vector<double> ms;
-      for (int i = 0; i < a.replays; ++i) {
-        flush.fill_bytes(i & 0xff, bb.stream());
-        K3_CUDA_CHECK(cudaEventRecord(e0, bb.stream()));
-        bb.step(slots, toks);
-        K3_CUDA_CHECK(cudaEventRecord(e1, bb.stream()));
-        K3_CUDA_CHECK(cudaEventSynchronize(e1));
-        float t = 0;
-        K3_CUDA_CHECK(cudaEventElapsedTime(&t, e0, e1));
-        ms.push_back(t);
-      }
-      bb.logits_to_host(rows, logits.data());
-      const bool finite = std::all_of(logits.begin(), logits.begin() + V * rows,
-                                      [](float v) { return std::isfinite(v); });
-      std::sort(ms.begin(), ms.end());
-      const double med = ms[ms.size() / 2];
+      Row row{rows, ctx};
       const double bytes = floor_bytes(fl, cfg, rows, ctx);
-      const double floor_ms = bytes / (kPeakTBps * 1e12) * 1e3;
-      std::printf("%-8s %6d %8lld %10.3f %10.3f %7.1f%% %9.0f  %s\n", "step", rows,
-                  static_cast<long long>(ctx), med, floor_ms, 100.0 * floor_ms / med,
-                  bytes / (med * 1e-3) / 1e9, finite ? "logits finite" : "NON-FINITE LOGITS");
-      std::fflush(stdout);
-      if (!finite) return 1;
+      row.floor_ms = bytes / (kPeakTBps * 1e12) * 1e3;
+      for (const auto& name : a.paths) {
+        const cuda::StepPath path =
+            name == "specialized" ? cuda::StepPath::Specialized : cuda::StepPath::Stock;
+        for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+        const double med = time_step(bb, slots, toks, path, a.replays, flush);
+        const bool finite = finite_logits(bb, rows, V);
+        (path == cuda::StepPath::Stock ? row.stock : row.spec) = med;
+        std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%% %9.0f  %s\n", name.c_str(), rows,
+                    static_cast<long long>(ctx), med, row.floor_ms, 100.0 * row.floor_ms / med,
+                    bytes / (med * 1e-3) / 1e9, finite ? "logits finite" : "NON-FINITE LOGITS");
+        std::fflush(stdout);
+        if (!finite) return 1;
+        if (a.profile) {
+          for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+          std::string p = "  " + name + " batch " + std::to_string(rows) + " ctx " +
+                          std::to_string(ctx) + " per stage (ms):";
+          for (const auto& st : bb.profile_step(slots, toks, path, 5)) {
+            char buf[64];
+            std::snprintf(buf, sizeof buf, " %s %.3f", st.stage.c_str(), st.ms);
+            p += buf;
+          }
+          profiles.push_back(p);
+        }
+      }
+      if (want_spec && want_stock) row.rel = paths_rel_l2(bb, rows, ctx, V, slots, toks);
+      if (want_spec && a.tuning && rows == a.batches.front()) {
+        // Measure the specialized path's PDL edges and L2 prefetch off, one at a time.
+        for (const auto& [pdl, l2] : {std::pair<bool, size_t>{false, 24u << 20},
+                                      std::pair<bool, size_t>{true, 0}}) {
+          bb.set_specialized_tuning(pdl, l2);
+          for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+          const double med =
+              time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
+          std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%%            (%s)\n", "spec-tuning",
+                      rows, static_cast<long long>(ctx), med, row.floor_ms,
+                      100.0 * row.floor_ms / med, !pdl ? "PDL edges off" : "L2 prefetch off");
+        }
+        bb.set_specialized_tuning(true, 24u << 20);
+      }
+      table.push_back(row);
     }
   }
+  for (const auto& p : profiles) std::printf("%s\n", p.c_str());
+  std::printf("\n================ summary (%d layers) ================\n", cfg.num_hidden_layers);
+  std::printf("%6s %8s %10s %10s %10s %9s %9s %10s\n", "batch", "context", "stock ms", "spec ms",
+              "floor ms", "spec/flr", "speedup", "rel L2");
+  for (const Row& r : table)
+    std::printf("%6d %8lld %10.3f %10.3f %10.3f %8.2fx %8.2fx %10.2e\n", r.rows,
+                static_cast<long long>(r.ctx), r.stock, r.spec, r.floor_ms,
+                r.spec > 0 ? r.spec / r.floor_ms : 0.0, r.spec > 0 ? r.stock / r.spec : 0.0,
+                r.rel);
   return 0;
 }
 
