@@ -2,8 +2,9 @@
 // group, row) streams its token range through shared memory in tiles of 32 cache rows (16-B
 // loads through the page table), scores all heads of the group against each row (one warp per
 // token), updates a per-head online softmax and accumulates p x c (one thread per 8 latent
-// columns x up to 4 heads). Kernel 2 (combine): merges the splits of each (row, head) in split
-// order, so the result does not depend on scheduling.
+// columns x up to 4 heads). Kernel 2 (combine): merges the row's active splits (derived from its
+// length, like the split kernel's ranges) of each (row, head) in split order, so the result does
+// not depend on scheduling.
 #include "cuda/mla_decode.h"
 
 #include <algorithm>
@@ -52,6 +53,16 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Tokens per split of a row with n tokens: equal ranges in whole tiles, at least kMinSplit so a
+// short context runs on a few CTAs instead of one tile on every split the plan allows (the grid
+// is sized for the longest context). Splits from ceil(n / chunk) on are empty; the split and the
+// combine kernels both derive the active count from n on the device.
+constexpr int kMinSplit = 2 * kTile;
+__device__ __forceinline__ int split_tokens(int n, int splits) {
+  const int per = ((n + splits - 1) / splits + kTile - 1) / kTile * kTile;
+  return max(kMinSplit, per);
+}
+
 __global__ void __launch_bounds__(kThreads)
     mla_split_kernel(const __nv_bfloat16* __restrict__ q_abs,
                      const __nv_bfloat16* __restrict__ q_pe,
@@ -78,9 +89,9 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* sel = selected ? selected + static_cast<int64_t>(row) * max_sel : nullptr;
   const int n = max(0, sel ? n_selected[row] : seq_len[row]);
   const int32_t* bt = block_table + static_cast<int64_t>(row) * max_pages;
-  // Equal token ranges in whole tiles; trailing splits may be empty (they report m = -inf).
-  const int chunk = ((n + splits - 1) / splits + kTile - 1) / kTile * kTile;
+  const int chunk = split_tokens(n, splits);
   const int beg = min(n, split * chunk), end = min(n, beg + chunk);
+  if (beg >= end) return;  // beyond the row's active splits: the combine never reads it
 
   for (int i = tid; i < hg * kD; i += kThreads) {
     const int h = i / kD, d = i % kD;
@@ -189,26 +200,53 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+constexpr int kCombineThreads = kKvLora / 4;  // 4 latent columns per thread
+constexpr int kMaxSplits = 1024;
+
 template <bool kBf16Out>
-__global__ void __launch_bounds__(128)
-    mla_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml, int heads,
-                       int splits, void* __restrict__ out) {
+__global__ void __launch_bounds__(kCombineThreads)
+    mla_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
+                       const int32_t* __restrict__ seq_len, const int32_t* __restrict__ n_selected,
+                       int heads, int splits, void* __restrict__ out) {
   K3_PDL_ENTRY();
   // ws_acc [rows][heads][splits][512]; ws_ml [rows][heads][splits][2];
-  // out [rows][heads][512] fp32 or bf16. One CTA per (head, row), 4 columns per thread.
-  const int64_t rh = static_cast<int64_t>(blockIdx.y) * heads + blockIdx.x;
+  // out [rows][heads][512] fp32 or bf16. One CTA per (head, row). The split weights
+  // exp(m_s - max) are computed once into shared memory, then every thread sums its 4 columns
+  // over the active splits in split order (deterministic).
+  __shared__ float w_s[kMaxSplits];
+  __shared__ float red[kCombineThreads / 32];
+  const int row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t rh = static_cast<int64_t>(row) * heads + blockIdx.x;
+  const int n = max(0, n_selected ? n_selected[row] : seq_len[row]);
+  const int active = n == 0 ? 0 : (n + split_tokens(n, splits) - 1) / split_tokens(n, splits);
   const float* ml = ws_ml + rh * splits * 2;
   float mx = -INFINITY;
-  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, ml[2 * s]);
-  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f}, l = 0.0f;
+  for (int s = tid; s < active; s += kCombineThreads) mx = fmaxf(mx, ml[2 * s]);
+  mx = warp_max(mx);
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = red[0];
+  for (int w = 1; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();  // red is reused for l
+  float lp = 0.0f;
+  for (int s = tid; s < active; s += kCombineThreads) {
+    const float m = ml[2 * s];
+    const float w = m == -INFINITY ? 0.0f : expf(m - mx);  // a split of masked tokens only
+    w_s[s] = w;
+    lp += w * ml[2 * s + 1];
+  }
+  lp = warp_sum(lp);
+  if (lane == 0) red[warp] = lp;
+  __syncthreads();
+  float l = 0.0f;
+  for (int w = 0; w < kCombineThreads / 32; ++w) l += red[w];
+  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (mx != -INFINITY) {  // else the row has no tokens: o = 0
-    for (int s = 0; s < splits; ++s) {
-      const float m = ml[2 * s];
-      if (m == -INFINITY) continue;  // empty split (its acc is 0, its l is 0)
-      const float w = expf(m - mx);
-      l += w * ml[2 * s + 1];
-      const float4 a =
-          *reinterpret_cast<const float4*>(ws_acc + (rh * splits + s) * kKvLora + threadIdx.x * 4);
+    const float* acc = ws_acc + rh * splits * kKvLora + tid * 4;
+#pragma unroll 4
+    for (int s = 0; s < active; ++s) {
+      const float w = w_s[s];
+      const float4 a = *reinterpret_cast<const float4*>(acc + static_cast<int64_t>(s) * kKvLora);
       o[0] += w * a.x;
       o[1] += w * a.y;
       o[2] += w * a.z;
@@ -217,7 +255,7 @@ __global__ void __launch_bounds__(128)
     const float inv = 1.0f / l;
     for (float& x : o) x *= inv;
   }
-  const int64_t e = rh * kKvLora + threadIdx.x * 4;
+  const int64_t e = rh * kKvLora + tid * 4;
   if constexpr (kBf16Out) {
     __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out) + e;
     for (int j = 0; j < 4; ++j) y[j] = __float2bfloat16_rn(o[j]);
@@ -248,15 +286,15 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   }
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
-  // Aim at two CTAs per SM (what fits at ~74 KB of shared memory), but give each split at least
-  // max(128, 64 x heads_per_group) tokens: a split writes and the combine reads back
-  // heads_per_group x 2 KB of fp32 partials, which then stays under 6% of the split's cache bytes
-  // (K3 TP16, 6 heads: >= 384 tokens, 442 KB of cache per CTA).
+  // Aim at two CTAs per SM (what fits at ~74 KB of shared memory) for the longest context the
+  // grid must serve; on the device each split takes at least kMinSplit tokens, so a short context
+  // uses fewer splits. At batch 1 the step is latency-bound: many short splits win although each
+  // writes heads_per_group x 2 KB of fp32 partials (L2-resident, read back by the combine).
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(p.rows) * p.head_groups);
   const int64_t want = (2 * static_cast<int64_t>(sm_count) + base - 1) / base;
-  const int64_t min_len = std::max<int64_t>(4 * kTile, 64 * p.heads_per_group);
+  const int64_t min_len = kMinSplit;
   const int64_t cap = std::max<int64_t>(1, (p.max_tokens + min_len - 1) / min_len);
-  p.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, 1024));
+  p.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, kMaxSplits));
   return p;
 }
 
@@ -294,12 +332,13 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
       p.page_size, p.max_pages, p.max_sel, softmax_scale, ws_acc, ws_ml);
   K3_CUDA_CHECK_LAUNCH();
   const dim3 cgrid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.rows));
+  const int32_t* n_sel = selected ? n_selected : nullptr;
   if (o_bf16)
-    mla_combine_kernel<true>
-        <<<cgrid, kKvLora / 4, 0, stream>>>(ws_acc, ws_ml, p.heads, p.splits, o_latent);
+    mla_combine_kernel<true><<<cgrid, kCombineThreads, 0, stream>>>(ws_acc, ws_ml, seq_len, n_sel,
+                                                                    p.heads, p.splits, o_latent);
   else
-    mla_combine_kernel<false>
-        <<<cgrid, kKvLora / 4, 0, stream>>>(ws_acc, ws_ml, p.heads, p.splits, o_latent);
+    mla_combine_kernel<false><<<cgrid, kCombineThreads, 0, stream>>>(ws_acc, ws_ml, seq_len, n_sel,
+                                                                     p.heads, p.splits, o_latent);
   K3_CUDA_CHECK_LAUNCH();
 }
 

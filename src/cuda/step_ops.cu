@@ -20,7 +20,6 @@ using detail::store_bf16x8;
 using detail::warp_sum;
 
 constexpr int kRowThreads = 256;
-constexpr int kRowGroup = 8;  // rows sharing one pass over a head's weights (absorb / unabsorb)
 constexpr int kGemmRows = 4;  // rows per pass over a weight column in the grouped GEMM
 constexpr int kGemmWarps = 8;
 
@@ -65,90 +64,6 @@ __global__ void add_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64
   store_bf16x8(out + i, vec && nv == 8, nv, x);
 }
 
-// ---- MLA query absorption: q_abs = W_uk^T q_nope per head ----
-__global__ void __launch_bounds__(128)
-    absorb_q_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_b,
-                    int64_t rows, int heads, int nope, int rope, int v, int kv_lora,
-                    __nv_bfloat16* __restrict__ q_abs, __nv_bfloat16* __restrict__ q_pe) {
-  K3_PDL_ENTRY();
-  // q [rows][heads][nope + rope]; kv_b [heads * (nope + v)][kv_lora];
-  // q_abs [rows][heads][kv_lora]; q_pe [rows][heads][rope]. CTA = (head, group of 8 rows).
-  extern __shared__ float qn[];  // [kRowGroup][nope] fp32
-  const int h = blockIdx.x;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowGroup;
-  const int nr = static_cast<int>(imin(kRowGroup, rows - r0));
-  const int qhd = nope + rope;
-  for (int i = threadIdx.x; i < nr * qhd; i += blockDim.x) {
-    const int rr = i / qhd, d = i % qhd;
-    const __nv_bfloat16 x = q[((r0 + rr) * heads + h) * qhd + d];
-    if (d < nope)
-      qn[rr * nope + d] = __bfloat162float(x);
-    else
-      q_pe[((r0 + rr) * heads + h) * rope + d - nope] = x;
-  }
-  __syncthreads();
-  const __nv_bfloat16* w_uk = kv_b + static_cast<int64_t>(h) * (nope + v) * kv_lora;  // [nope][L]
-  for (int c = threadIdx.x; c < kv_lora; c += blockDim.x) {
-    float acc[kRowGroup] = {};
-    for (int i = 0; i < nope; ++i) {  // ascending i, as the CPU accumulates
-      const float w = __bfloat162float(w_uk[static_cast<int64_t>(i) * kv_lora + c]);
-#pragma unroll
-      for (int rr = 0; rr < kRowGroup; ++rr)
-        if (rr < nr) acc[rr] += qn[rr * nope + i] * w;
-    }
-    for (int rr = 0; rr < nr; ++rr)
-      q_abs[((r0 + rr) * heads + h) * kv_lora + c] = __float2bfloat16_rn(acc[rr]);
-  }
-}
-
-// The CPU's sigmoid (ops_basic.cpp): only a non-positive number is exponentiated.
-__device__ __forceinline__ float sigmoid_ref(float x) {
-  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
-}
-
-// ---- MLA value up-projection (+ sigmoid gate) ----
-__global__ void __launch_bounds__(256)
-    unabsorb_v_kernel(const float* __restrict__ o_latent, const __nv_bfloat16* __restrict__ kv_b,
-                      const __nv_bfloat16* __restrict__ gate, int64_t rows, int heads, int nope,
-                      int v, int kv_lora, __nv_bfloat16* __restrict__ o) {
-  K3_PDL_ENTRY();
-  // o_latent [rows][heads][kv_lora] fp32; kv_b [heads * (nope + v)][kv_lora];
-  // gate, o [rows][heads * v]. CTA = (head, group of 8 rows); one warp per output column j.
-  extern __shared__ float ol[];  // [kRowGroup][kv_lora] fp32
-  const int h = blockIdx.x;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRowGroup;
-  const int nr = static_cast<int>(imin(kRowGroup, rows - r0));
-  for (int i = threadIdx.x; i < nr * kv_lora; i += blockDim.x) {
-    const int rr = i / kv_lora, c = i % kv_lora;
-    ol[i] = o_latent[((r0 + rr) * heads + h) * kv_lora + c];
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const __nv_bfloat16* w_uv = kv_b + (static_cast<int64_t>(h) * (nope + v) + nope) * kv_lora;
-  for (int j = warp; j < v; j += nwarps) {
-    const __nv_bfloat16* wr = w_uv + static_cast<int64_t>(j) * kv_lora;  // [kv_lora]
-    float acc[kRowGroup] = {};
-    for (int c = lane; c < kv_lora; c += 32) {
-      const float w = __bfloat162float(wr[c]);
-#pragma unroll
-      for (int rr = 0; rr < kRowGroup; ++rr)
-        if (rr < nr) acc[rr] += w * ol[rr * kv_lora + c];
-    }
-#pragma unroll
-    for (int rr = 0; rr < kRowGroup; ++rr) acc[rr] = warp_sum(acc[rr]);
-    if (lane == 0) {
-      for (int rr = 0; rr < nr; ++rr) {
-        const int64_t e = (r0 + rr) * heads * v + static_cast<int64_t>(h) * v + j;
-        float y = __bfloat162float(__float2bfloat16_rn(acc[rr]));  // the CPU rounds o first
-        if (gate) y *= sigmoid_ref(__bfloat162float(gate[e]));
-        o[e] = __float2bfloat16_rn(y);
-      }
-    }
-  }
-}
-
 // ---- latent cache append ----
 __global__ void cache_append_kernel(const __nv_bfloat16* __restrict__ kv, int width,
                                     const int32_t* __restrict__ block_table, int max_pages,
@@ -165,43 +80,68 @@ __global__ void cache_append_kernel(const __nv_bfloat16* __restrict__ kv, int wi
 }
 
 // ---- MoE combine (+ rms_norm) ----
-__device__ __forceinline__ float combine_at(const __nv_bfloat16* y, const int32_t* y_pos,
-                                            int64_t r, const float* w, int top_k, int64_t width,
-                                            int64_t c) {
-  // y rows of this row's choices (at y_pos[r*k + j], or r*k + j), w [top_k]: ascending j as the
-  // CPU adds, multiply and add rounded separately as on the CPU (no fused multiply-add).
-  float acc = 0.0f;
+constexpr int kCombineThreads = 512;  // 8 columns per thread: one pass covers 4096 columns
+constexpr int kCombineMaxK = 64;
+
+// acc[e] = sum_j w[j] * y[row_j][c + e] for 8 columns (ascending j, multiply and add rounded
+// separately as on the CPU: no fused multiply-add); row_j = y_pos ? y_pos[r*k + j] : r*k + j.
+__device__ __forceinline__ void combine8(const __nv_bfloat16* y, const int32_t* rows_s,
+                                         const float* w_s, int top_k, int64_t width, int64_t c,
+                                         bool vec, float (&acc)[8]) {
+  const int nv = static_cast<int>(width - c < 8 ? width - c : 8);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+#pragma unroll 4
   for (int j = 0; j < top_k; ++j) {
-    const int64_t s = r * top_k + j;
-    const int64_t row = y_pos ? y_pos[s] : s;
-    acc = __fadd_rn(acc, __fmul_rn(w[j], __bfloat162float(y[row * width + c])));
+    float v[8];
+    load_bf16x8(y + static_cast<int64_t>(rows_s[j]) * width + c, vec && nv == 8, nv, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w_s[j], v[e]));
   }
-  return acc;
 }
 
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const __nv_bfloat16* __restrict__ y, const int32_t* __restrict__ y_pos,
                        const float* __restrict__ weights, int top_k, int64_t width,
-                       const float* __restrict__ norm_w, float eps,
+                       const float* __restrict__ norm_w, float eps, bool vec,
                        __nv_bfloat16* __restrict__ out) {
   K3_PDL_ENTRY();
   // y [rows * top_k][width]; weights [rows][top_k]; norm_w [width] or null; out [rows][width].
+  // One CTA per row, 8 columns per thread; with a norm the second pass recomputes the same
+  // sums (the expert outputs are L2-resident) after the sum of squares.
   __shared__ float scratch[33];
+  __shared__ float w_s[kCombineMaxK];
+  __shared__ int32_t rows_s[kCombineMaxK];
   const int64_t r = blockIdx.x;
-  const float* wr = weights + r * top_k;
+  if (threadIdx.x < top_k) {
+    const int64_t s = r * top_k + threadIdx.x;
+    w_s[threadIdx.x] = weights[s];
+    rows_s[threadIdx.x] = y_pos ? y_pos[s] : static_cast<int32_t>(s);
+  }
+  __syncthreads();
   float inv = 1.0f;
-  if (norm_w) {  // first pass: the sum of squares; the second recomputes the same acc values
+  if (norm_w) {
     float ss = 0.0f;
-    for (int64_t c = threadIdx.x; c < width; c += kRowThreads) {
-      const float a = combine_at(y, y_pos, r, wr, top_k, width, c);
-      ss += a * a;
+    for (int64_t c = threadIdx.x * 8; c < width; c += kCombineThreads * 8) {
+      float a[8];
+      combine8(y, rows_s, w_s, top_k, width, c, vec, a);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) ss += a[e] * a[e];  // columns past width are 0
     }
     ss = detail::block_sum(ss, scratch);
     inv = 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
   }
-  for (int64_t c = threadIdx.x; c < width; c += kRowThreads) {
-    const float a = combine_at(y, y_pos, r, wr, top_k, width, c);
-    out[r * width + c] = __float2bfloat16_rn(norm_w ? a * inv * norm_w[c] : a);
+  for (int64_t c = threadIdx.x * 8; c < width; c += kCombineThreads * 8) {
+    float a[8];
+    combine8(y, rows_s, w_s, top_k, width, c, vec, a);
+    const int nv = static_cast<int>(width - c < 8 ? width - c : 8);
+    if (norm_w) {
+      float nw[8];
+      load_f32x8(norm_w + c, vec && nv == 8, nv, nw);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a[e] = a[e] * inv * nw[e];
+    }
+    store_bf16x8(out + r * width + c, vec && nv == 8, nv, a);
   }
 }
 
@@ -298,35 +238,6 @@ void add_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, __nv_bf
   K3_CUDA_CHECK_LAUNCH();
 }
 
-void mla_absorb_q(const __nv_bfloat16* q, const __nv_bfloat16* kv_b, int64_t rows, int heads,
-                  int nope, int rope, int v, int kv_lora, __nv_bfloat16* q_abs,
-                  __nv_bfloat16* q_pe, cudaStream_t stream) {
-  K3_CHECK(rows >= 0 && heads >= 1 && nope >= 1 && nope <= 1024 && rope >= 0 && v >= 1 &&
-               kv_lora >= 1,
-           "cuda::mla_absorb_q: rows ", rows, " heads ", heads, " nope ", nope, " rope ", rope,
-           " v ", v, " kv_lora ", kv_lora);
-  if (rows == 0) return;
-  const dim3 grid(static_cast<unsigned>(heads), blocks_for(rows, kRowGroup));
-  const size_t smem = sizeof(float) * kRowGroup * static_cast<size_t>(nope);  // <= 32 KB
-  absorb_q_kernel<<<grid, 128, smem, stream>>>(q, kv_b, rows, heads, nope, rope, v, kv_lora, q_abs,
-                                               q_pe);
-  K3_CUDA_CHECK_LAUNCH();
-}
-
-void mla_unabsorb_v(const float* o_latent, const __nv_bfloat16* kv_b, const __nv_bfloat16* gate,
-                    int64_t rows, int heads, int nope, int v, int kv_lora, __nv_bfloat16* o,
-                    cudaStream_t stream) {
-  K3_CHECK(rows >= 0 && heads >= 1 && nope >= 0 && v >= 1 && kv_lora >= 1 && kv_lora <= 1024,
-           "cuda::mla_unabsorb_v: rows ", rows, " heads ", heads, " nope ", nope, " v ", v,
-           " kv_lora ", kv_lora);
-  if (rows == 0) return;
-  const dim3 grid(static_cast<unsigned>(heads), blocks_for(rows, kRowGroup));
-  const size_t smem = sizeof(float) * kRowGroup * static_cast<size_t>(kv_lora);  // <= 32 KB
-  unabsorb_v_kernel<<<grid, 256, smem, stream>>>(o_latent, kv_b, gate, rows, heads, nope, v,
-                                                 kv_lora, o);
-  K3_CUDA_CHECK_LAUNCH();
-}
-
 void mla_cache_append(const __nv_bfloat16* kv, int64_t rows, int width, const int32_t* block_table,
                       int max_pages, const int32_t* position, int page_size, __nv_bfloat16* cache,
                       cudaStream_t stream) {
@@ -345,8 +256,11 @@ void moe_combine(const __nv_bfloat16* y, const float* weights, int64_t rows, int
   K3_CHECK(rows >= 0 && top_k >= 1 && width >= 1, "cuda::moe_combine: rows ", rows, " top_k ",
            top_k, " width ", width);
   if (rows == 0) return;
-  moe_combine_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-      y, y_pos, weights, top_k, width, norm_w, eps, out);
+  K3_CHECK(top_k <= kCombineMaxK, "cuda::moe_combine: top_k ", top_k, " above ", kCombineMaxK);
+  const bool vec = width % 8 == 0 && aligned16(y) && aligned16(out) &&
+                   (norm_w == nullptr || aligned16(norm_w));
+  moe_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(
+      y, y_pos, weights, top_k, width, norm_w, eps, vec, out);
   K3_CUDA_CHECK_LAUNCH();
 }
 
