@@ -1,7 +1,8 @@
 // Router top-k, one warp per row. The warp writes the row's choice scores (sigmoid + bias) to
 // shared memory, then runs top_k rounds of a warp argmax: each lane keeps the best of its own
 // strided experts cached in registers and rescans only when its best was taken, so a round is
-// one 5-step shuffle reduction plus, for one lane, a rescan of E/32 values.
+// two warp reductions (redux.sync: max value, then min id among its holders) plus, for one
+// lane, a rescan of E/32 values.
 #include "cuda/router.h"
 
 #include <cmath>
@@ -27,6 +28,13 @@ __device__ __forceinline__ float sigmoid_ref(float x) {
 // (value, id) order of cpu::route: larger value first, then lower id.
 __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {
   return va > vb || (va == vb && ia < ib);
+}
+
+// A float's order as an unsigned key (larger float, larger key; -inf lowest of the finite
+// order). Choice scores are sigmoid + bias: never -0, so +0 / -0 never tie differently.
+__device__ __forceinline__ unsigned ordered_key(float v) {
+  const unsigned u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
 // The lane's best untaken expert among e = lane, lane + 32, ...; id E when none is left.
@@ -61,30 +69,22 @@ __global__ void __launch_bounds__(kWarpsPerCta * 32)
   float bv;
   int bi;
   lane_best(choice, E, lane, bv, bi);
-  int my_id = 0;      // lane k keeps the k-th pick
-  float my_s = 0.0f;  // and its sigmoid score
+  int my_id = 0;  // lane k keeps the k-th pick
   for (int k = 0; k < top_k; ++k) {
-    float v = bv;
-    int i = bi;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-      if (better(ov, oi, v, i)) {
-        v = ov;
-        i = oi;
-      }
-    }
-    // i is the same on every lane now (a strict total order has one maximum).
-    if (lane == k) {
-      my_id = i;
-      my_s = sigmoid_ref(lg[i]);  // the weight uses s without the bias
-    }
+    // The warp's best (value, id): the largest value (one redux), then the lowest id among the
+    // lanes holding it (each lane's bi is already its lowest id of that value).
+    const unsigned key = ordered_key(bv);
+    const unsigned best = __reduce_max_sync(0xffffffffu, key);
+    const int i = static_cast<int>(
+        __reduce_min_sync(0xffffffffu, key == best ? static_cast<unsigned>(bi) : 0xffffffffu));
+    if (lane == k) my_id = i;
     if ((i & 31) == lane) {  // the owner drops it and rescans its experts
       choice[i] = -INFINITY;
       lane_best(choice, E, lane, bv, bi);
     }
   }
+  // The weight uses s without the bias (one load per pick, all lanes at once).
+  const float my_s = lane < top_k ? sigmoid_ref(lg[my_id]) : 0.0f;
   // Sum in pick order, as cpu::route does, so the fp32 rounding matches.
   float sum = 0.0f;
   for (int k = 0; k < top_k; ++k) sum += __shfl_sync(0xffffffffu, my_s, k);
