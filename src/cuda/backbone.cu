@@ -57,8 +57,14 @@ void CudaBackbone::capture_specialized() {
   std::vector<int32_t> slots, tokens;
   for (const int n : opt_.capture_sizes) {
     slots.resize(static_cast<size_t>(n));
-    tokens.assign(static_cast<size_t>(n), 0);
-    for (int r = 0; r < n; ++r) slots[static_cast<size_t>(r)] = r;
+    tokens.resize(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      slots[static_cast<size_t>(r)] = r;
+      // Spread tokens: the warm-up step also times the GEMM plans (linear_launch.cuh), and the
+      // grouped expert GEMMs should see a routing like a real batch's, not one token's.
+      tokens[static_cast<size_t>(r)] =
+          static_cast<int32_t>((static_cast<int64_t>(r) * 7919 + 11) % cfg_.vocab_size);
+    }
     step(slots, tokens, StepPath::Specialized);  // eager
     step(slots, tokens, StepPath::Specialized);  // captured
   }

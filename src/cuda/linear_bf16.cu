@@ -127,12 +127,22 @@ void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, in
   K3_CHECK(M >= 0 && N >= 1 && K >= 1, "linear_bf16: shape ", M, "x", N, "x", K);
   const bool tiled_ok = K % 8 == 0 && ldx % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
   const size_t ysize = y_fp32 ? 4 : 2;
+  K3_CHECK(x && w && y, "linear_bf16: null pointer");
+  K3_CHECK(ldx >= K && ldy >= N && N <= 0x7fffffff && K <= 0x7fffffff, "linear_bf16: ldx ", ldx,
+           " / ldy ", ldy, " for ", N, "x", K);
   for (int64_t m0 = 0; m0 < M; m0 += 64) {
     const int m = static_cast<int>(std::min<int64_t>(64, M - m0));
-    LinearPlan p = plan_linear_bf16(m, N, K);
-    if (!tiled_ok) p.fallback = true;
-    linear_bf16(p, x + m0 * ldx, ldx, w, m, static_cast<uint8_t*>(y) + m0 * ldy * ysize, ldy,
-                y_fp32, stream);
+    detail::SkinnyArgs a;
+    a.w = w;
+    a.x = x + m0 * ldx;
+    a.ldx = ldx;
+    a.y = static_cast<uint8_t*>(y) + m0 * ldy * ysize;
+    a.ldy = ldy;
+    a.y_fp32 = y_fp32 ? 1 : 0;
+    a.m = m;
+    a.n = static_cast<int>(N);
+    a.k = static_cast<int>(K);
+    detail::launch_planned<Bf16Format>(LinearWeight::BF16, m, 1, tiled_ok, a, stream);
   }
 }
 

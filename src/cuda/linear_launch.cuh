@@ -10,6 +10,7 @@
 #include <set>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "core/error.h"
 #include "cuda/check.h"
@@ -98,16 +99,16 @@ LinearPlan best_plan(LinearWeight w, int m, int64_t n, int64_t k, int groups) {
   return p;
 }
 
-// Launches plan p on args a (pointers, strides, m/n/k set by the caller).
+// Launches plan p on args a (pointers, strides, m/n/k set by the caller); returns the launch's
+// error instead of raising it (the tuner skips plans the device cannot launch).
 template <class Fmt>
-void launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
+cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
   K3_CHECK(a.n == p.n && a.k == p.k && a.m <= p.m, "skinny GEMM: plan for ", p.m, "x", p.n, "x",
            p.k, " used for ", a.m, "x", a.n, "x", a.k);
   if (p.fallback) {
     const dim3 grid(static_cast<unsigned>((p.n + 7) / 8), static_cast<unsigned>(p.groups));
     linear_fallback_kernel<typename Fmt::Dec><<<grid, 256, 0, stream>>>(a);
-    K3_CUDA_CHECK_LAUNCH();
-    return;
+    return cudaGetLastError();
   }
   a.wn = p.wn, a.wk = p.wk, a.ck = p.ck, a.stages = p.stages, a.chunks = p.chunks;
   a.x_pitch = p.x_pitch;
@@ -118,7 +119,95 @@ void launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
       dim3(static_cast<unsigned>(p.grid_x()), static_cast<unsigned>(p.groups)),
       dim3(static_cast<unsigned>(p.threads())), p.smem_bytes, stream,
       static_cast<unsigned>(p.ck > 1 ? p.ck : 0));
-  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, fn, a));
+  return cudaLaunchKernelEx(&launch.config, fn, a);
+}
+
+template <class Fmt>
+void launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
+  K3_CUDA_CHECK(try_launch_skinny<Fmt>(p, a, stream));
+}
+
+// Measured plan choice (K3_LINEAR_TUNING=0 turns it off): the planner's model ranks the tilings
+// but is only a lead (bench/RESULTS.md: its pick is up to 2x off the best measured plan). The
+// first time a shape runs outside a graph capture, its model-ranked candidates (the top six,
+// then the best of each cluster size and warps-along-K count, at most 12) are timed on the
+// call's own operands and the fastest is kept for the process; captured graphs and later steps
+// reuse it. A GEMM writes y without reading it, so the repeated launches change nothing; the
+// one-time cost is a few launches per candidate and a device sync (first step of each size,
+// before any graph of it is captured).
+bool linear_tuning_enabled();
+
+std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked);
+
+template <class Fmt>
+LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
+                     cudaStream_t stream) {
+  const std::vector<LinearPlan> list = tuning_shortlist(ranked);
+  cudaEvent_t t0, t1;
+  K3_CUDA_CHECK(cudaEventCreate(&t0));
+  K3_CUDA_CHECK(cudaEventCreate(&t1));
+  K3_CUDA_CHECK(cudaDeviceSynchronize());  // time alone on the device
+  LinearPlan best = ranked.front();
+  float best_ms = 0;
+  bool have = false;
+  constexpr int kReps = 3;
+  for (const LinearPlan& p : list) {
+    if (try_launch_skinny<Fmt>(p, a, stream) != cudaSuccess) {  // e.g. cluster not schedulable
+      (void)cudaGetLastError();
+      continue;
+    }
+    K3_CUDA_CHECK(cudaEventRecord(t0, stream));
+    for (int r = 0; r < kReps; ++r) K3_CUDA_CHECK(try_launch_skinny<Fmt>(p, a, stream));
+    K3_CUDA_CHECK(cudaEventRecord(t1, stream));
+    K3_CUDA_CHECK(cudaEventSynchronize(t1));
+    float ms = 0;
+    K3_CUDA_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    if (!have || ms < best_ms) best = p, best_ms = ms, have = true;
+  }
+  (void)cudaEventDestroy(t0);
+  (void)cudaEventDestroy(t1);
+  K3_CHECK(have, "skinny GEMM: no candidate plan of ", a.m, "x", a.n, "x", a.k,
+           " could be launched");
+  return best;
+}
+
+// Launches a.m x a.n x a.k (groups slots) with the tuned plan of the shape, tuning it first
+// where allowed; `tiled_ok`: the operands meet the tiled kernel's alignment (else the fallback).
+template <class Fmt>
+void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
+                    cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int>, LinearPlan> tuned;
+  if (!tiled_ok) {
+    LinearPlan p;
+    p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
+    launch_skinny<Fmt>(p, a, stream);
+    return;
+  }
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n),
+                                   static_cast<int64_t>(a.k), groups);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = tuned.find(key);
+    if (it != tuned.end()) {
+      launch_skinny<Fmt>(it->second, a, stream);
+      return;
+    }
+  }
+  LinearPlan p = best_plan<Fmt>(w, plan_m, a.n, a.k, groups);
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  K3_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+  if (!p.fallback && cap == cudaStreamCaptureStatusNone && linear_tuning_enabled() &&
+      a.x != a.y) {
+    p = tune_plan<Fmt>(linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(),
+                                         skinny_regs<Fmt>),
+                       a, stream);
+    std::lock_guard<std::mutex> lock(mu);
+    tuned.emplace(key, p);
+  }
+  launch_skinny<Fmt>(p, a, stream);
 }
 
 }  // namespace k3::cuda::detail

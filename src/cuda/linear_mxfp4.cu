@@ -221,10 +221,16 @@ void linear_mxfp4(const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
   const size_t ysize = y_fp32 ? 4 : 2;
   for (int64_t m0 = 0; m0 < M; m0 += 64) {
     const int m = static_cast<int>(std::min<int64_t>(64, M - m0));
-    LinearPlan p = plan_linear_mxfp4(m, N, K, 1);
-    if (!tiled_ok) p.fallback = true;
-    linear_mxfp4(p, x + m0 * ldx, ldx, w_packed, w_scales, m,
-                 static_cast<uint8_t*>(y) + m0 * ldy * ysize, ldy, y_fp32, stream);
+    LinearPlan shape;  // for the operand checks only
+    shape.weight = LinearWeight::MXFP4, shape.m = m, shape.n = N, shape.k = K;
+    shape.fallback = !tiled_ok;
+    check_shape(shape, x + m0 * ldx, ldx, y, ldy);
+    K3_CHECK(w_packed && w_scales, "linear_mxfp4: null weight");
+    detail::SkinnyArgs a = base_args(shape, x + m0 * ldx, ldx,
+                                     static_cast<uint8_t*>(y) + m0 * ldy * ysize, ldy, y_fp32, m);
+    a.w = w_packed;
+    a.ws = w_scales;
+    detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, m, 1, tiled_ok, a, stream);
   }
 }
 
@@ -253,14 +259,20 @@ void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t
            " slots, ", g.max_rows_per_slot, " rows per slot");
   const bool tiled_ok =
       g.max_rows_per_slot <= 64 && K % 256 == 0 && ldx % 8 == 0 && detail::aligned16(x);
-  LinearPlan p;
-  if (tiled_ok) {
-    p = plan_linear_mxfp4(g.max_rows_per_slot, N, K, g.n_slots);
-  } else {
-    p.weight = LinearWeight::MXFP4, p.m = g.max_rows_per_slot, p.n = N, p.k = K;
-    p.groups = g.n_slots, p.fallback = true;
-  }
-  linear_mxfp4_grouped(p, g, x, ldx, y, ldy, y_fp32, stream);
+  LinearPlan shape;  // for the operand checks only
+  shape.weight = LinearWeight::MXFP4, shape.m = g.max_rows_per_slot, shape.n = N, shape.k = K;
+  shape.groups = g.n_slots, shape.fallback = !tiled_ok;
+  check_shape(shape, x, ldx, y, ldy);
+  K3_CHECK(g.packed && g.scales && g.slot_expert && g.slot_offsets,
+           "linear_mxfp4_grouped: null device table");
+  detail::SkinnyArgs a = base_args(shape, x, ldx, y, ldy, y_fp32, g.max_rows_per_slot);
+  a.w_table = reinterpret_cast<const void* const*>(g.packed);
+  a.ws_table = g.scales;
+  a.slot_expert = g.slot_expert;
+  a.slot_offsets = g.slot_offsets;
+  a.row_index = g.row_index;
+  detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots,
+                                      tiled_ok, a, stream);
 }
 
 }  // namespace k3::cuda

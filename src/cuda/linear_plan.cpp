@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdlib>
+#include <string>
+#include <vector>
 #include <cmath>
 #include <mutex>
 #include <sstream>
@@ -198,3 +201,31 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
 }
 
 }  // namespace k3::cuda
+
+namespace k3::cuda::detail {
+
+bool linear_tuning_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("K3_LINEAR_TUNING");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
+
+std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {
+  std::vector<LinearPlan> out;
+  const auto have = [&](auto pred) {
+    return std::any_of(out.begin(), out.end(), pred);
+  };
+  for (const LinearPlan& p : ranked) {
+    if (out.size() >= 12) break;
+    if (have([&](const LinearPlan& q) { return q.str() == p.str(); })) continue;
+    const bool novel = out.size() < 6 ||
+                       !have([&](const LinearPlan& q) { return q.ck == p.ck; }) ||
+                       !have([&](const LinearPlan& q) { return q.wk == p.wk; });
+    if (novel) out.push_back(p);
+  }
+  return out;
+}
+
+}  // namespace k3::cuda::detail
