@@ -378,18 +378,22 @@ int run(const Args& a) {
       }
       if (want_spec && want_stock) row.rel = paths_rel_l2(bb, rows, ctx, V, slots, toks);
       if (want_spec && a.tuning && rows == a.batches.front()) {
-        // Measure the specialized path's PDL edges and L2 prefetch off, one at a time.
-        for (const auto& [pdl, l2] : {std::pair<bool, size_t>{false, 24u << 20},
-                                      std::pair<bool, size_t>{true, 0}}) {
+        // The specialized path with its PDL edges off, then with the L2 prefetch on (it is off
+        // by default), one change at a time.
+        const size_t l2_default = cuda::CudaBackboneOptions{}.l2_prefetch_bytes;
+        for (const auto& [pdl, l2] :
+             {std::pair<bool, size_t>{false, l2_default},
+              std::pair<bool, size_t>{true, cuda::kL2PrefetchTrialBytes}}) {
           bb.set_specialized_tuning(pdl, l2);
           for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
           const double med =
               time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
           std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%%            (%s)\n", "spec-tuning",
                       rows, static_cast<long long>(ctx), med, row.floor_ms,
-                      100.0 * row.floor_ms / med, !pdl ? "PDL edges off" : "L2 prefetch off");
+                      100.0 * row.floor_ms / med,
+                      !pdl ? "PDL edges off" : "L2 prefetch on, 24 MB");
         }
-        bb.set_specialized_tuning(true, 24u << 20);
+        bb.set_specialized_tuning(true, l2_default);
       }
       table.push_back(row);
     }

@@ -49,10 +49,15 @@ struct CudaBackboneOptions {
   // largest size (each row count its own graph).
   std::vector<int> capture_sizes;
   bool pdl = true;  // specialized graphs: programmatic kernel -> kernel edges (graph_pdl.h)
-  // Specialized path: bytes of the next weights warmed into L2 beside latency-bound kernels
-  // (the KDA recurrence, MLA attention); 0 turns the prefetch off.
-  size_t l2_prefetch_bytes = 24u << 20;
+  // Specialized path: bytes of the next weights warmed into L2 beside the latency-bound KDA
+  // recurrence; 0 turns the prefetch off. Off by default: on the H200 it measured no gain
+  // (k3_bench_step, 24 MB: within 0.5% of off at batch 1, 1k and 32k context; bench/RESULTS.md),
+  // the PDL edges already start each GEMM's weight stream while the kernel before it drains.
+  size_t l2_prefetch_bytes = 0;
 };
+
+// The prefetch budget k3_bench_step measures against the default.
+constexpr size_t kL2PrefetchTrialBytes = 24u << 20;
 
 // Time per stage of one step (profile_step), summed over layers: where the time goes.
 struct StageTime {

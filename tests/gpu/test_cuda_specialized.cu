@@ -40,6 +40,9 @@ constexpr double kFreeRunGap = 0.1;
 cuda::CudaBackboneOptions spec_options(int rows, bool graphs, std::vector<int> sizes) {
   cuda::CudaBackboneOptions o = options(rows, graphs);
   o.capture_sizes = std::move(sizes);
+  // The L2 prefetch is off by default; the tests run it so its path stays covered (it reads
+  // weights only, so no value may change).
+  o.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
   return o;
 }
 
