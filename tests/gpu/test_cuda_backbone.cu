@@ -46,7 +46,10 @@ constexpr double kLogitRel = 0.02;
 // Slack on the noise floor: both distances are sums of chaotic trajectories, so one seed in a few
 // has the GPU above the fp32 reference's distance (measured up to 1.4x with packed latent caches,
 // whose block scales turn a one-ulp input change into a requantized block); greedy agreement may
-// trail the fp32 reference's by steps / 8.
+// trail the fp32 reference's by kAgreeSlack of the steps: at ~60% agreement over 72 steps each
+// count has a binomial spread of ~4 steps, their difference ~6, and steps / 8 (1.5 sigma) failed
+// one seed in a few dozen (tiny-k3.1 with an fp8 cache: 39 vs 41); steps / 5 is ~2.4 sigma.
+constexpr int kAgreeSlackDiv = 5;
 constexpr double kNoiseSlack = 1.5;
 constexpr double kTieMargin = 0.01;  // top-2 logit gap (of the RMS) counted as a near-tie
 constexpr int kDecodeTokens = 64;
@@ -111,7 +114,7 @@ void greedy_parity(const std::string& preset, int prompt_len,
       worst, agree_gpu, steps, sum_ref32 / steps, agree_ref32, steps, ties);
   EXPECT_LE(sum_gpu, kNoiseSlack * sum_ref32)
       << preset << ": the GPU is further from the bf16 reference than the fp32 reference is";
-  EXPECT_GE(agree_gpu, agree_ref32 - steps / 8) << preset;
+  EXPECT_GE(agree_gpu, agree_ref32 - steps / kAgreeSlackDiv) << preset;
 }
 
 // Per-sublayer diff report over the first steps (the `k3 diff` view): every sublayer output of

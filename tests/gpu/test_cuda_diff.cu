@@ -147,7 +147,7 @@ TEST(CudaStepDiff, TinyWithinBf16NoiseFloor) {
       "%d/%d; fp32 vs bf16 CPU %.2e mean, argmax %d/%d\n",
       mean, r.max_sublayer_rel_l2(), r.argmax_agree, r.steps, f.mean_rel_l2, f.agree, r.steps);
   EXPECT_LE(mean, kNoiseSlack * f.mean_rel_l2);
-  EXPECT_GE(r.argmax_agree, f.agree - r.steps / 8);
+  EXPECT_GE(r.argmax_agree, f.agree - r.steps / 5);  // binomial spread: test_cuda_backbone
   // The bound the lead quotes for `k3 diff --model tiny` (report only: the amplification of the
   // random K3 model, not the executors, decides it).
   if (!r.passed())

@@ -15,9 +15,11 @@ struct LoadedModel;
 namespace k3::cli {
 
 // Default per-sublayer (and logits) rel L2 bound: the specialized step fuses GEMMs and norms,
-// so its fp32 sums run in another order; on bf16 boundaries that is ~1e-3 typical and up to
-// ~1e-2 where a rounding flip is amplified by the random tiny models.
-constexpr double kDefaultStepDiffTolerance = 2e-2;
+// and each GEMM shape runs its own measured plan (split-K), so its fp32 sums run in another
+// order; on bf16 boundaries that is ~1e-3 typical, and the random tiny K3 model amplifies a
+// rounding flip ~25x over its 9 layers (measured up to 2.1e-2 on its last sublayer, against a
+// bf16 noise floor of ~0.3: the fp32 CPU reference's distance from the bf16 one).
+constexpr double kDefaultStepDiffTolerance = 5e-2;
 
 struct StepDiffArgs {
   int steps = 64;               // generated tokens (after the teacher-forced prompt)
