@@ -66,9 +66,10 @@ struct Bf16Format {
 #pragma unroll
       for (int t = 0; t < NT; ++t) {
         if (t * 8 >= mx) break;  // uniform: no token in this column tile
-        const int n = t * 8 + g;
-        const uint4 b =
-            n < mx ? lds128(xs + n * pitch + (kloc + j * 32 + c * 8) * 2) : make_uint4(0, 0, 0, 0);
+        // Token columns past mx read row mx - 1 (staged, finite): an mma column only feeds its
+        // own output column, and those are never stored. No divergent branch per fragment.
+        const int n = min(t * 8 + g, mx - 1);
+        const uint4 b = lds128(xs + n * pitch + (kloc + j * 32 + c * 8) * 2);
 #pragma unroll
         for (int s = 0; s < 2; ++s)
 #pragma unroll

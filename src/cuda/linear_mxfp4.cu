@@ -115,12 +115,16 @@ struct Mxfp4Format {
               pr[i][h][p] = v;
             }
           }
-        const int unit = x_unit<true>((kloc + j * 128 + c * 32 + w * 8) >> 3);
+        // x_unit((kloc + j*128 + c*32 + w*8) / 8) with kloc % 256 == 0: the swizzle flips bit 1
+        // where bit 3 is set, i.e. lane-constant on c >= 2 (saves its integer chain per word).
+        const int unit = (kloc >> 3) + j * 16 + c * 4 + (w ^ ((c >> 1) << 1));
 #pragma unroll
         for (int t = 0; t < NT; ++t) {
           if (t * 8 >= mx) break;  // uniform: no token in this column tile
-          const int n = t * 8 + g;
-          const uint4 b = n < mx ? lds128(xs + n * pitch + unit * 16) : make_uint4(0, 0, 0, 0);
+          // Token columns past mx read row mx - 1 (staged, finite): an mma column only feeds
+          // its own output column, and those are never stored. No divergent branch.
+          const int n = min(t * 8 + g, mx - 1);
+          const uint4 b = lds128(xs + n * pitch + unit * 16);
 #pragma unroll
           for (int s = 0; s < 2; ++s)
 #pragma unroll
