@@ -58,7 +58,7 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   // Widths: the largest over layers, read from the weights.
   int64_t fa = 0, ga = 0, ffn_i = 0, E = 0, L = 0, inter = 0;
   for (const DevLayer& D : w.layers) {
-    kda_in_n = std::max(kda_in_n, rows_of(D.kda.in_proj));
+    kda_in_n = std::max(kda_in_n, D.kda.in_layout.ld);
     fa = std::max(fa, rows_of(D.kda.f_a));
     ga = std::max(ga, rows_of(D.kda.g_a));
     ffn_i = std::max({ffn_i, rows_of(D.dense.gate), rows_of(D.moe_w.shared_gate)});

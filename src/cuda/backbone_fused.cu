@@ -134,7 +134,7 @@ void CudaBackbone::attn_kda_fused(int l, int64_t R) {
   const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
   const KdaInProjLayout& in = k.in_layout;
   const auto& la = cfg_.linear_attn_config;
-  const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim(), n = in.n;
+  const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim(), n = in.ld;  // row stride
   K3_CHECK(in.q == 0 && in.k == P && in.v == 2 * P, "KDA in_proj: q, k, v must lead the rows");
   mark("kda_proj");
   // One GEMM for every projection of x: [rows][q | k | v | g | f_a | b].

@@ -201,6 +201,7 @@ DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
         o.fa = o.g + fused.parts[3].rows;
         o.b = o.fa + d.f_a.rows;
         o.n = o.b + d.b_proj.rows;
+        o.ld = (o.n + 7) / 8 * 8;
       }
       // The fused kernel reads [3 (q,k,v)][P][kernel] fp32.
       std::vector<float> conv;

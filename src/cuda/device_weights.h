@@ -57,6 +57,10 @@ bool can_concat(const std::vector<const WeightMatrix*>& ms);
 struct KdaInProjLayout {
   int64_t q = 0, k = 0, v = 0, g = 0, fa = 0, b = 0;  // first row of each part
   int64_t n = 0;                                      // total rows (= in_proj.rows)
+  // Row stride of the projected activations: n rounded up to 8, so every row (and each part,
+  // all at multiples of 8) is 16-byte aligned and the GEMMs reading a part (f_b, g_b) take the
+  // tiled path.
+  int64_t ld = 0;
 };
 
 struct DevKda {

@@ -239,6 +239,8 @@ void check_kda(const cuda::DevKda& d, const KdaWeights& k, int64_t H, const std:
   EXPECT_EQ(o.b, off[5]);
   EXPECT_EQ(o.n, off[6]);
   EXPECT_EQ(o.n, d.in_proj.rows);
+  EXPECT_EQ(o.ld % 8, 0) << "16-byte rows of the projected activations";
+  EXPECT_TRUE(o.ld >= o.n && o.ld < o.n + 8) << "ld " << o.ld << " for " << o.n << " rows";
   // q, k, v adjacent and P rows each: the [3][P] u the decode kernel reads.
   EXPECT_EQ(o.k - o.q, k.q_proj.rows);
   EXPECT_EQ(o.v - o.k, k.q_proj.rows);
