@@ -323,13 +323,18 @@ int run(const Args& a) {
               "floor ms", "%floor", "GB/s", "check");
   for (const int64_t ctx : a.contexts) {
     // Bind a cache of this context for as many slots as fit beside the weights.
-    const double per_slot = (ctx + margin) * (fl.mla_layers * fl.latent_row) +
-                            fl.kda_layers * fl.kda_state / 2 + (1 << 20);
+    const auto slot_bytes = [&](int64_t max_context) {
+      return max_context * (fl.mla_layers * fl.latent_row) + fl.kda_layers * fl.kda_state / 2 +
+             (1 << 20);
+    };
+    const double per_slot = slot_bytes(ctx + margin);
     size_t free_b = 0, total_b = 0;
     K3_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
     cuda::SlotPoolShape shape = o.pool;
     shape.max_context = ctx + margin;
-    const double have = static_cast<double>(free_b) + (bb.pool().slots() * per_slot) - 4e9;
+    // The bound pool is freed before the new one is made: count it at its own context.
+    const double bound = bb.pool().slots() * slot_bytes(bb.pool().max_context());
+    const double have = static_cast<double>(free_b) + bound - 4e9;
     shape.slots = static_cast<int>(std::min<double>(max_rows, std::floor(have / per_slot)));
     if (shape.slots < 1) {
       std::printf("context %lld: no slot fits in memory, skipped\n", static_cast<long long>(ctx));
