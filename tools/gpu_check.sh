@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# On a GPU machine, from anywhere in the repo: runs the CUDA op tests (k3_gpu_tests) and the
-# kernel benchmarks (k3_bench_ops), logs everything to ${OUT:-/tmp}/gpu_check.log and prints a
-# short summary last.
+# On a GPU machine, from anywhere in the repo: runs the CUDA tests (k3_gpu_tests), the kernel
+# benchmarks (k3_bench_ops, k3_bench_attn), the whole-step benchmark (k3_bench_step: stock and
+# specialized paths against the byte floor) and `k3 diff` on the tiny presets, logs everything
+# to ${OUT:-/tmp}/gpu_check.log and prints a short summary last.
 #
 # Binaries are taken from $K3_BIN_DIR, build/, build-cuda/ or .gpu_carry/ (first that has both);
 # when none has them, tools/setup.sh builds build/ first.
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
-# Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP (skip a
-# bench), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64").
+# Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
+# K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,6 +68,18 @@ if [ -x "$bin_dir/k3_bench_step" ] && [ -z "${K3_SKIP_STEP:-}" ]; then
   step_rc=${PIPESTATUS[0]}
 fi
 
+# The specialized step against the stock one, per layer (optional binary: `k3 diff`).
+diff_rc=0
+if [ -x "$bin_dir/k3" ] && [ -z "${K3_SKIP_DIFF:-}" ]; then
+  : >"$out_dir/k3_diff.log"
+  for preset in tiny tiny-k3.1 tiny-kimi-linear; do
+    echo "== k3 diff --model $preset" | tee -a "$log" >>"$out_dir/k3_diff.log"
+    "$bin_dir/k3" diff --model "$preset" 2>&1 | tee -a "$log" >>"$out_dir/k3_diff.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && diff_rc=$rc
+  done
+fi
+
 # Summary: test verdict, failures, then the bench's own compact tables (printed last by it).
 {
   echo
@@ -92,11 +105,16 @@ fi
     echo "k3_bench_attn: rc $attn_rc (full output: $out_dir/bench_attn.log)"
     awk '/^kernel +shape/{p=1} p' "$out_dir/bench_attn.log"
   fi
+  if [ -f "$out_dir/k3_diff.log" ]; then
+    echo "k3 diff: rc $diff_rc"
+    grep -E '^== k3 diff|^result:' "$out_dir/k3_diff.log"
+  fi
   if [ -f "$out_dir/bench_step.log" ]; then
     echo "k3_bench_step: rc $step_rc (full output: $out_dir/bench_step.log)"
     grep -E '^k3_bench_step' "$out_dir/bench_step.log" | head -2
-    awk '/^kernel +batch/{p=1} p' "$out_dir/bench_step.log"
+    awk '/^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step.log"
   fi
 } | tee -a "$log"
 
-[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ] && [ "$step_rc" -eq 0 ]
+[ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ] && [ "$step_rc" -eq 0 ] &&
+  [ "$diff_rc" -eq 0 ]
