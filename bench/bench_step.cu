@@ -28,8 +28,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <map>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -96,8 +96,7 @@ Args parse(int argc, char** argv) {
         p = c == std::string::npos ? "" : p.substr(c + 1);
       }
       ++i;
-    }
-    else if (k == "--batch") {
+    } else if (k == "--batch") {
       a.batches.clear();
       for (int64_t b : parse_list(v)) a.batches.push_back(static_cast<int>(b));
       ++i;
@@ -268,12 +267,11 @@ int run(const Args& a) {
   const int tl = std::min(a.layers, a.template_layers);
   const ModelConfig tcfg = rank_config(a, tl);
   const std::string dir =
-      a.dir.empty()
-          ? (std::filesystem::temp_directory_path() /
-             ("k3_bench_step_l" + std::to_string(tl) + "_tp" + std::to_string(a.tp) + "_e" +
-              std::to_string(a.experts) + (a.dsa ? "_dsa" : "")))
-                .string()
-          : a.dir;
+      a.dir.empty() ? (std::filesystem::temp_directory_path() /
+                       ("k3_bench_step_l" + std::to_string(tl) + "_tp" + std::to_string(a.tp) +
+                        "_e" + std::to_string(a.experts) + (a.dsa ? "_dsa" : "")))
+                          .string()
+                    : a.dir;
   const auto t0 = std::chrono::steady_clock::now();
   if (!std::filesystem::exists(std::filesystem::path(dir) / "config.json")) {
     SynthOptions so;
@@ -285,8 +283,7 @@ int run(const Args& a) {
   const auto t1 = std::chrono::steady_clock::now();
   const int max_rows = *std::max_element(a.batches.begin(), a.batches.end());
   const int64_t max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
-  const bool want_spec =
-      std::find(a.paths.begin(), a.paths.end(), "specialized") != a.paths.end();
+  const bool want_spec = std::find(a.paths.begin(), a.paths.end(), "specialized") != a.paths.end();
   const bool want_stock = std::find(a.paths.begin(), a.paths.end(), "stock") != a.paths.end();
   const int64_t margin = 4 * a.replays + 64;
   cuda::CudaBackboneOptions o;
@@ -343,10 +340,11 @@ int run(const Args& a) {
     bb.rebind_cache(shape);
     for (const int rows : a.batches) {
       if (rows > shape.slots) {
-        std::printf("%-12s %6d %8lld   skipped: %d rows x %lld tokens of cache (%.1f GB) do not "
-                    "fit beside %.1f GB of weights\n",
-                    "-", rows, static_cast<long long>(ctx), rows, static_cast<long long>(ctx),
-                    rows * per_slot / 1e9, bb.weight_bytes() / 1e9);
+        std::printf(
+            "%-12s %6d %8lld   skipped: %d rows x %lld tokens of cache (%.1f GB) do not "
+            "fit beside %.1f GB of weights\n",
+            "-", rows, static_cast<long long>(ctx), rows, static_cast<long long>(ctx),
+            rows * per_slot / 1e9, bb.weight_bytes() / 1e9);
         continue;
       }
       std::vector<int32_t> slots(static_cast<size_t>(rows)), toks(static_cast<size_t>(rows));
@@ -386,17 +384,15 @@ int run(const Args& a) {
         // The specialized path with its PDL edges off, then with the L2 prefetch on (it is off
         // by default), one change at a time.
         const size_t l2_default = cuda::CudaBackboneOptions{}.l2_prefetch_bytes;
-        for (const auto& [pdl, l2] :
-             {std::pair<bool, size_t>{false, l2_default},
-              std::pair<bool, size_t>{true, cuda::kL2PrefetchTrialBytes}}) {
+        for (const auto& [pdl, l2] : {std::pair<bool, size_t>{false, l2_default},
+                                      std::pair<bool, size_t>{true, cuda::kL2PrefetchTrialBytes}}) {
           bb.set_specialized_tuning(pdl, l2);
           for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
           const double med =
               time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
           std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%%            (%s)\n", "spec-tuning",
                       rows, static_cast<long long>(ctx), med, row.floor_ms,
-                      100.0 * row.floor_ms / med,
-                      !pdl ? "PDL edges off" : "L2 prefetch on, 24 MB");
+                      100.0 * row.floor_ms / med, !pdl ? "PDL edges off" : "L2 prefetch on, 24 MB");
         }
         bb.set_specialized_tuning(true, l2_default);
       }
@@ -410,8 +406,7 @@ int run(const Args& a) {
   for (const Row& r : table)
     std::printf("%6d %8lld %10.3f %10.3f %10.3f %8.2fx %8.2fx %10.2e\n", r.rows,
                 static_cast<long long>(r.ctx), r.stock, r.spec, r.floor_ms,
-                r.spec > 0 ? r.spec / r.floor_ms : 0.0, r.spec > 0 ? r.stock / r.spec : 0.0,
-                r.rel);
+                r.spec > 0 ? r.spec / r.floor_ms : 0.0, r.spec > 0 ? r.stock / r.spec : 0.0, r.rel);
   return 0;
 }
 

@@ -32,14 +32,7 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
   K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_in_),
                                2 * static_cast<size_t>(opt.max_rows) * sizeof(int32_t)));
   weights_ = std::make_unique<DeviceWeights>(cfg, w);
-  pool_ = std::make_unique<SlotPool>(cfg, opt.pool);
-  host_pos_.assign(static_cast<size_t>(opt.pool.slots), 0);
-  size_t mla_ws = 0;
-  if (cfg.num_hidden_layers > static_cast<int>(cfg.linear_attn_config.kda_layers.size()))
-    for (int r = 1; r <= opt.max_rows; ++r)
-      mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r)));
-  buf_ = std::make_unique<Buffers>(cfg, *weights_, opt.max_rows, pool_->pages_per_slot(),
-                                   opt.pool.max_context, mla_ws);
+  bind_pool();
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -99,6 +92,11 @@ void CudaBackbone::rebind_cache(const SlotPoolShape& shape) {
   opt_.pool = shape;
   buf_.reset();
   pool_.reset();
+  bind_pool();
+  capture_specialized();
+}
+
+void CudaBackbone::bind_pool() {
   pool_ = std::make_unique<SlotPool>(cfg_, opt_.pool);
   host_pos_.assign(static_cast<size_t>(opt_.pool.slots), 0);
   size_t mla_ws = 0;
@@ -107,7 +105,6 @@ void CudaBackbone::rebind_cache(const SlotPoolShape& shape) {
       mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r)));
   buf_ = std::make_unique<Buffers>(cfg_, *weights_, opt_.max_rows, pool_->pages_per_slot(),
                                    opt_.pool.max_context, mla_ws);
-  capture_specialized();
 }
 
 CudaBackbone::~CudaBackbone() {
@@ -358,6 +355,27 @@ void CudaBackbone::mix(int n_blocks, const float* score_w, int64_t rows, __nv_bf
   attn_res_mix(src, n_blocks + 1, H, score_w, rows, H, cfg_.rms_norm_eps, out, H, nullptr, stream_);
 }
 
+// AttnRes: the residual stream so far becomes bank block j (a restart layer's write).
+void CudaBackbone::write_bank_block(int j, int64_t R) {
+  Buffers& b = *buf_;
+  K3_CUDA_CHECK(cudaMemcpyAsync(b.bank_block(j), b.P.data(),
+                                static_cast<size_t>(R * cfg_.hidden_size) * sizeof(__nv_bfloat16),
+                                cudaMemcpyDeviceToDevice, stream_));
+}
+
+// After the attention sublayer: a restart layer starts the stream anew from its output
+// (P = sub), any other adds it (P += sub).
+void CudaBackbone::attn_residual(bool restart, int64_t R) {
+  Buffers& b = *buf_;
+  const int64_t n = R * cfg_.hidden_size;
+  if (restart)
+    K3_CUDA_CHECK(cudaMemcpyAsync(b.P.data(), b.sub.data(),
+                                  static_cast<size_t>(n) * sizeof(__nv_bfloat16),
+                                  cudaMemcpyDeviceToDevice, stream_));
+  else
+    add_bf16(b.P.data(), b.sub.data(), n, b.P.data(), stream_);
+}
+
 void CudaBackbone::enqueue_stock(int64_t R) {
   Buffers& b = *buf_;
   const DeviceWeights& W = *weights_;
@@ -379,10 +397,7 @@ void CudaBackbone::enqueue_stock(int64_t R) {
     }
     bool restart = false;
     if (cfg_.is_attn_res_write_layer(l)) {
-      K3_CUDA_CHECK(cudaMemcpyAsync(b.bank_block(n_blocks), b.P.data(),
-                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
-                                    cudaMemcpyDeviceToDevice, stream_));
-      ++n_blocks;
+      write_bank_block(n_blocks++, R);
       restart = true;
     }
     rms_norm(hsrc, H, L.input_norm, R, H, eps, b.x.data(), H, stream_);
@@ -391,12 +406,7 @@ void CudaBackbone::enqueue_stock(int64_t R) {
     else
       attn_mla(l, R);
     tap(l, "attn", R);
-    if (restart)
-      K3_CUDA_CHECK(cudaMemcpyAsync(b.P.data(), b.sub.data(),
-                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
-                                    cudaMemcpyDeviceToDevice, stream_));
-    else
-      add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+    attn_residual(restart, R);
 
     // MLP side.
     mark("ffn_norm");

@@ -126,10 +126,13 @@ class CudaBackbone {
 
  private:
   struct Buffers;
-  void enqueue(int64_t rows, StepPath path);  // every kernel of one step on stream_
+  void enqueue(int64_t rows, StepPath path);    // every kernel of one step on stream_
   void run_graph(int64_t rows, StepPath path);  // capture on first use, then replay
   void capture_specialized();                   // every capture size, at load / rebind
+  void bind_pool();  // slot pool, host positions and step buffers for opt_.pool
   void enqueue_stock(int64_t rows);
+  void write_bank_block(int j, int64_t rows);      // AttnRes bank block j = P
+  void attn_residual(bool restart, int64_t rows);  // P = sub (restart) or P += sub
   void enqueue_specialized(int64_t rows);
   // Specialized providers (backbone_fused.cu).
   void attn_kda_fused(int layer, int64_t rows);

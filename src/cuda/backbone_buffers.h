@@ -78,11 +78,11 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<__nv_bfloat16> ffn_h;     // [rows][max(dense I, shared I)] bf16
   DeviceBuffer<__nv_bfloat16> shared;    // [rows][hidden] bf16
   // Specialized path: outputs of the fused GEMMs.
-  int64_t kda_in_n = 0;                   // widest KDA in_proj row stride (in_layout.ld)
-  DeviceBuffer<__nv_bfloat16> kda_in;     // [rows][kda_in_n] bf16
-  DeviceBuffer<float> moe_gu32;           // [rows * top_k][2 * inter] fp32, w1 | w3 outputs
-  DeviceBuffer<float> ffn_gu32;           // [rows][2 * max(dense I, shared I)] fp32
-  DeviceBuffer<__nv_bfloat16> shared_h;   // [rows][max(dense I, shared I)] bf16 (side stream)
+  int64_t kda_in_n = 0;                  // widest KDA in_proj row stride (in_layout.ld)
+  DeviceBuffer<__nv_bfloat16> kda_in;    // [rows][kda_in_n] bf16
+  DeviceBuffer<float> moe_gu32;          // [rows * top_k][2 * inter] fp32, w1 | w3 outputs
+  DeviceBuffer<float> ffn_gu32;          // [rows][2 * max(dense I, shared I)] fp32
+  DeviceBuffer<__nv_bfloat16> shared_h;  // [rows][max(dense I, shared I)] bf16 (side stream)
   DeviceBuffer<float> logits;            // [rows][vocab] fp32
 };
 

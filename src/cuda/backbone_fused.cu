@@ -93,12 +93,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
       mix_norm(n_blocks, L.attn_res_attn, L.input_norm, R);
     else
       rms_norm(b.P.data(), H, L.input_norm, R, H, cfg_.rms_norm_eps, b.x.data(), H, stream_);
-    if (restart) {
-      K3_CUDA_CHECK(cudaMemcpyAsync(b.bank_block(n_blocks), b.P.data(),
-                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
-                                    cudaMemcpyDeviceToDevice, stream_));
-      ++n_blocks;
-    }
+    if (restart) write_bank_block(n_blocks++, R);
     if (L.kind == LayerKind::KDA && !L.kda.in_proj.empty())
       attn_kda_fused(l, R);
     else if (L.kind == LayerKind::KDA)
@@ -106,12 +101,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
     else
       attn_mla(l, R);
     tap(l, "attn", R);
-    if (restart)
-      K3_CUDA_CHECK(cudaMemcpyAsync(b.P.data(), b.sub.data(),
-                                    static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
-                                    cudaMemcpyDeviceToDevice, stream_));
-    else
-      add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+    attn_residual(restart, R);
 
     mark("ffn_norm");
     mix_norm(n_blocks, L.attn_res_mlp, L.post_attn_norm, R);
@@ -259,12 +249,10 @@ void CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   } else {
     // Separate halves into the same interleaved buffer (row stride 2I) is not expressible
     // with expert_linear's packed output: run them into the stock buffers instead.
-    expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(),
-                  b.group_offsets.data(), b.group_rows.data(), slots, rows, z, L, I, L,
-                  b.moe_g32.data(), true, stream_);
-    expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(),
-                  b.group_offsets.data(), b.group_rows.data(), slots, rows, z, L, I, L,
-                  b.moe_u32.data(), true, stream_);
+    expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(), b.group_offsets.data(),
+                  b.group_rows.data(), slots, rows, z, L, I, L, b.moe_g32.data(), true, stream_);
+    expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(), b.group_offsets.data(),
+                  b.group_rows.data(), slots, rows, z, L, I, L, b.moe_u32.data(), true, stream_);
   }
   const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
   const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();

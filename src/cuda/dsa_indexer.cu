@@ -5,8 +5,8 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
-#include "cuda/quant_util.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/quant_util.cuh"
 
 namespace k3::cuda {
 namespace {

@@ -8,8 +8,8 @@
 #include <cstdint>
 
 #include "cuda/device_util.cuh"
-#include "cuda/skinny_gemm.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/skinny_gemm.cuh"
 
 namespace k3::cuda::detail {
 

@@ -186,8 +186,8 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
   }
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n),
-                                   static_cast<int64_t>(a.k), groups);
+  const auto key =
+      std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n), static_cast<int64_t>(a.k), groups);
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = tuned.find(key);
@@ -199,11 +199,10 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
   LinearPlan p = best_plan<Fmt>(w, plan_m, a.n, a.k, groups);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   K3_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
-  if (!p.fallback && cap == cudaStreamCaptureStatusNone && linear_tuning_enabled() &&
-      a.x != a.y) {
-    p = tune_plan<Fmt>(linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(),
-                                         skinny_regs<Fmt>),
-                       a, stream);
+  if (!p.fallback && cap == cudaStreamCaptureStatusNone && linear_tuning_enabled() && a.x != a.y) {
+    p = tune_plan<Fmt>(
+        linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>), a,
+        stream);
     std::lock_guard<std::mutex> lock(mu);
     tuned.emplace(key, p);
   }

@@ -197,6 +197,20 @@ detail::SkinnyArgs base_args(const LinearPlan& p, const __nv_bfloat16* x, int64_
   return a;
 }
 
+// The grouped launch's arguments: x / y as base_args, the expert tables and slot arrays of g.
+detail::SkinnyArgs grouped_args(const LinearPlan& p, const Mxfp4Grouped& g, const __nv_bfloat16* x,
+                                int64_t ldx, void* y, int64_t ldy, bool y_fp32) {
+  K3_CHECK(g.packed && g.scales && g.slot_expert && g.slot_offsets,
+           "linear_mxfp4_grouped: null device table");
+  detail::SkinnyArgs a = base_args(p, x, ldx, y, ldy, y_fp32, g.max_rows_per_slot);
+  a.w_table = reinterpret_cast<const void* const*>(g.packed);
+  a.ws_table = g.scales;
+  a.slot_expert = g.slot_expert;
+  a.slot_offsets = g.slot_offsets;
+  a.row_index = g.row_index;
+  return a;
+}
+
 }  // namespace
 
 void linear_mxfp4(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
@@ -245,15 +259,7 @@ void linear_mxfp4_grouped(const LinearPlan& p, const Mxfp4Grouped& g, const __nv
            " slots for a plan of ", p.groups);
   K3_CHECK(g.max_rows_per_slot >= 1 && g.max_rows_per_slot <= p.m,
            "linear_mxfp4_grouped: max_rows_per_slot ", g.max_rows_per_slot, " for a plan of ", p.m);
-  K3_CHECK(g.packed && g.scales && g.slot_expert && g.slot_offsets,
-           "linear_mxfp4_grouped: null device table");
-  detail::SkinnyArgs a = base_args(p, x, ldx, y, ldy, y_fp32, g.max_rows_per_slot);
-  a.w_table = reinterpret_cast<const void* const*>(g.packed);
-  a.ws_table = g.scales;
-  a.slot_expert = g.slot_expert;
-  a.slot_offsets = g.slot_offsets;
-  a.row_index = g.row_index;
-  detail::launch_skinny<Mxfp4Format>(p, a, stream);
+  detail::launch_skinny<Mxfp4Format>(p, grouped_args(p, g, x, ldx, y, ldy, y_fp32), stream);
 }
 
 void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t ldx, int64_t N,
@@ -267,16 +273,8 @@ void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t
   shape.weight = LinearWeight::MXFP4, shape.m = g.max_rows_per_slot, shape.n = N, shape.k = K;
   shape.groups = g.n_slots, shape.fallback = !tiled_ok;
   check_shape(shape, x, ldx, y, ldy);
-  K3_CHECK(g.packed && g.scales && g.slot_expert && g.slot_offsets,
-           "linear_mxfp4_grouped: null device table");
-  detail::SkinnyArgs a = base_args(shape, x, ldx, y, ldy, y_fp32, g.max_rows_per_slot);
-  a.w_table = reinterpret_cast<const void* const*>(g.packed);
-  a.ws_table = g.scales;
-  a.slot_expert = g.slot_expert;
-  a.slot_offsets = g.slot_offsets;
-  a.row_index = g.row_index;
-  detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots,
-                                      tiled_ok, a, stream);
+  detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots, tiled_ok,
+                                      grouped_args(shape, g, x, ldx, y, ldy, y_fp32), stream);
 }
 
 }  // namespace k3::cuda

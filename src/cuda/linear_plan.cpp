@@ -6,12 +6,12 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
-#include <string>
-#include <vector>
 #include <cmath>
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "cuda/check.h"
@@ -214,14 +214,11 @@ bool linear_tuning_enabled() {
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {
   std::vector<LinearPlan> out;
-  const auto have = [&](auto pred) {
-    return std::any_of(out.begin(), out.end(), pred);
-  };
+  const auto have = [&](auto pred) { return std::any_of(out.begin(), out.end(), pred); };
   for (const LinearPlan& p : ranked) {
     if (out.size() >= 12) break;
     if (have([&](const LinearPlan& q) { return q.str() == p.str(); })) continue;
-    const bool novel = out.size() < 6 ||
-                       !have([&](const LinearPlan& q) { return q.ck == p.ck; }) ||
+    const bool novel = out.size() < 6 || !have([&](const LinearPlan& q) { return q.ck == p.ck; }) ||
                        !have([&](const LinearPlan& q) { return q.wk == p.wk; });
     if (novel) out.push_back(p);
   }

@@ -19,11 +19,11 @@ using detail::aligned16;
 using detail::load_bf16x8;
 using detail::warp_sum;
 
-constexpr int kRowGroup = 8;    // rows sharing one pass over a head's weights
-constexpr int kAbsCols = 64;    // latent columns per absorption CTA
-constexpr int kAbsRows = 64;    // W_uk rows (nope index) staged per pass
+constexpr int kRowGroup = 8;  // rows sharing one pass over a head's weights
+constexpr int kAbsCols = 64;  // latent columns per absorption CTA
+constexpr int kAbsRows = 64;  // W_uk rows (nope index) staged per pass
 constexpr int kAbsThreads = 256;
-constexpr int kUvCols = 16;     // value columns per up-projection CTA (2 per warp)
+constexpr int kUvCols = 16;  // value columns per up-projection CTA (2 per warp)
 constexpr int kUvThreads = 256;
 
 unsigned blocks_for(int64_t n, int per) {
@@ -40,8 +40,8 @@ __global__ void __launch_bounds__(kAbsThreads)
   // q_abs [rows][heads][kv_lora]; q_pe [rows][heads][rope].
   // CTA = (head, 64 latent columns, 8 rows); thread = (column, rows rs and rs + 4).
   extern __shared__ float smem[];
-  float* qn = smem;                             // [kRowGroup][nope] fp32
-  float* wt = smem + kRowGroup * nope;          // [kAbsRows][kAbsCols] fp32
+  float* qn = smem;                     // [kRowGroup][nope] fp32
+  float* wt = smem + kRowGroup * nope;  // [kAbsRows][kAbsCols] fp32
   const int h = blockIdx.x, c0 = blockIdx.y * kAbsCols;
   const int64_t r0 = static_cast<int64_t>(blockIdx.z) * kRowGroup;
   const int nr = static_cast<int>(rows - r0 < kRowGroup ? rows - r0 : kRowGroup);
@@ -146,12 +146,12 @@ __global__ void __launch_bounds__(kUvThreads)
 }  // namespace
 
 void mla_absorb_q(const __nv_bfloat16* q, const __nv_bfloat16* kv_b, int64_t rows, int heads,
-                  int nope, int rope, int v, int kv_lora, __nv_bfloat16* q_abs,
-                  __nv_bfloat16* q_pe, cudaStream_t stream) {
-  K3_CHECK(rows >= 0 && heads >= 1 && nope >= 1 && nope <= 1024 && rope >= 0 && v >= 1 &&
-               kv_lora >= 1,
-           "cuda::mla_absorb_q: rows ", rows, " heads ", heads, " nope ", nope, " rope ", rope,
-           " v ", v, " kv_lora ", kv_lora);
+                  int nope, int rope, int v, int kv_lora, __nv_bfloat16* q_abs, __nv_bfloat16* q_pe,
+                  cudaStream_t stream) {
+  K3_CHECK(
+      rows >= 0 && heads >= 1 && nope >= 1 && nope <= 1024 && rope >= 0 && v >= 1 && kv_lora >= 1,
+      "cuda::mla_absorb_q: rows ", rows, " heads ", heads, " nope ", nope, " rope ", rope, " v ", v,
+      " kv_lora ", kv_lora);
   if (rows == 0) return;
   const dim3 grid(static_cast<unsigned>(heads), blocks_for(kv_lora, kAbsCols),
                   blocks_for(rows, kRowGroup));
@@ -160,8 +160,8 @@ void mla_absorb_q(const __nv_bfloat16* q, const __nv_bfloat16* kv_b, int64_t row
   K3_CUDA_CHECK(cudaFuncSetAttribute(absorb_q_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      static_cast<int>(smem)));
   const bool vec = kv_lora % 8 == 0 && aligned16(kv_b);
-  absorb_q_kernel<<<grid, kAbsThreads, smem, stream>>>(q, kv_b, rows, heads, nope, rope, v,
-                                                       kv_lora, vec, q_abs, q_pe);
+  absorb_q_kernel<<<grid, kAbsThreads, smem, stream>>>(q, kv_b, rows, heads, nope, rope, v, kv_lora,
+                                                       vec, q_abs, q_pe);
   K3_CUDA_CHECK_LAUNCH();
 }
 
@@ -172,7 +172,8 @@ void mla_unabsorb_v(const float* o_latent, const __nv_bfloat16* kv_b, const __nv
            "cuda::mla_unabsorb_v: rows ", rows, " heads ", heads, " nope ", nope, " v ", v,
            " kv_lora ", kv_lora);
   if (rows == 0) return;
-  const dim3 grid(static_cast<unsigned>(heads), blocks_for(v, kUvCols), blocks_for(rows, kRowGroup));
+  const dim3 grid(static_cast<unsigned>(heads), blocks_for(v, kUvCols),
+                  blocks_for(rows, kRowGroup));
   const size_t smem = sizeof(float) * kRowGroup * static_cast<size_t>(kv_lora);  // <= 32 KB
   const bool vec = kv_lora % 8 == 0 && aligned16(kv_b);
   unabsorb_v_kernel<<<grid, kUvThreads, smem, stream>>>(o_latent, kv_b, gate, rows, heads, nope, v,

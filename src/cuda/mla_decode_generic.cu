@@ -12,7 +12,7 @@
 namespace k3::cuda::detail {
 namespace {
 
-constexpr int kTile = 32;     // tokens per tile: one lane each in the softmax update
+constexpr int kTile = 32;  // tokens per tile: one lane each in the softmax update
 constexpr int kThreads = 128;
 constexpr int kColsPerThread = kMlaGenericMaxKvLora / kThreads;  // 8 latent columns per thread
 
@@ -34,8 +34,8 @@ __global__ void __launch_bounds__(kThreads)
   K3_PDL_ENTRY();
   // q_abs [rows][heads][kv_lora] bf16; q_pe [rows][heads][rope] bf16;
   // cache [pages][page_size][kv_lora + rope] bf16; out [rows][heads][kv_lora] fp32 or bf16.
-  extern __shared__ float qs[];  // [kv_lora + rope] fp32 query (q~ then q_pe)
-  __shared__ float ps[kTile];    // scores, then probabilities of the tile
+  extern __shared__ float qs[];   // [kv_lora + rope] fp32 query (q~ then q_pe)
+  __shared__ float ps[kTile];     // scores, then probabilities of the tile
   __shared__ int64_t off[kTile];  // element offset of each tile token's cache row
   __shared__ float alpha_s, l_s;
 
@@ -124,9 +124,9 @@ __global__ void __launch_bounds__(kThreads)
 
 void mla_decode_generic(const MlaDecodePlan& p, const __nv_bfloat16* q_abs,
                         const __nv_bfloat16* q_pe, const __nv_bfloat16* cache,
-                        const int32_t* block_table, const int32_t* seq_len,
-                        const int32_t* selected, const int32_t* n_selected, float softmax_scale,
-                        void* o_latent, bool o_bf16, cudaStream_t stream) {
+                        const int32_t* block_table, const int32_t* seq_len, const int32_t* selected,
+                        const int32_t* n_selected, float softmax_scale, void* o_latent, bool o_bf16,
+                        cudaStream_t stream) {
   K3_CHECK(mla_generic_shape_ok(p.kv_lora, p.rope), "cuda::mla_decode: kv_lora ", p.kv_lora,
            " / rope ", p.rope, " unsupported");
   if (p.rows == 0) return;

@@ -19,8 +19,8 @@ __device__ __forceinline__ void pdl_wait() {
 
 }  // namespace k3::cuda::detail
 
-#define K3_PDL_ENTRY()                               \
-  do {                                               \
-    ::k3::cuda::detail::pdl_launch_dependents();     \
-    ::k3::cuda::detail::pdl_wait();                  \
+#define K3_PDL_ENTRY()                           \
+  do {                                           \
+    ::k3::cuda::detail::pdl_launch_dependents(); \
+    ::k3::cuda::detail::pdl_wait();              \
   } while (0)

@@ -25,7 +25,9 @@ constexpr int kPrepThreads = 256;
 constexpr int kSelThreads = 1024;  // one CTA per row, one sorted position per thread per chunk
 constexpr size_t kAlign = 256;
 
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+size_t align_up(size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 
 // Workspace layout: keys_in, keys_out [N] u64; vals_in, vals_out [N] int32; CUB temp storage.
 // N = rows * vocab.
@@ -102,7 +104,7 @@ __global__ void __launch_bounds__(kSelThreads)
 
   const int r = blockIdx.x, tid = threadIdx.x;
   const uint64_t* k = keys + static_cast<int64_t>(r) * vocab;  // [vocab]
-  const int32_t* v = vals + static_cast<int64_t>(r) * vocab;  // [vocab]
+  const int32_t* v = vals + static_cast<int64_t>(r) * vocab;   // [vocab]
   const SampleRowParams p = params[r];
   const double temp = static_cast<double>(p.temperature);
   // Greedy (and the CPU's error cases, which cannot raise here): the first sorted id.
@@ -213,10 +215,9 @@ void sample_rows(const float* logits, int64_t stride, int64_t rows, int64_t voca
   sample_prep_kernel<<<pgrid, kPrepThreads, 0, stream>>>(logits, stride, v, keys_in, vals_in);
   K3_CUDA_CHECK_LAUNCH();
   size_t temp_bytes = l.temp_bytes;
-  K3_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + l.temp, temp_bytes, keys_in, keys_out,
-                                                vals_in, vals_out, v * nr, 0, l.end_bit, stream));
-  sample_select_kernel<<<nr, kSelThreads, 0, stream>>>(keys_out, vals_out, v, params, uniform,
-                                                       ids);
+  K3_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(ws + l.temp, temp_bytes, keys_in, keys_out, vals_in,
+                                                vals_out, v * nr, 0, l.end_bit, stream));
+  sample_select_kernel<<<nr, kSelThreads, 0, stream>>>(keys_out, vals_out, v, params, uniform, ids);
   K3_CUDA_CHECK_LAUNCH();
 }
 

@@ -23,7 +23,9 @@ constexpr int kRowThreads = 256;
 constexpr int kGemmRows = 4;  // rows per pass over a weight column in the grouped GEMM
 constexpr int kGemmWarps = 8;
 
-__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t imin(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
 
 unsigned blocks_for(int64_t n, int per_block) {
   return static_cast<unsigned>(std::max<int64_t>(1, (n + per_block - 1) / per_block));
@@ -225,7 +227,7 @@ void embed_rows(const __nv_bfloat16* embed, int64_t vocab, int64_t hidden, const
   if (rows == 0) return;
   const bool vec = hidden % 8 == 0 && aligned16(embed) && aligned16(out);
   embed_kernel<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(embed, vocab, hidden,
-                                                                         tokens, out, vec);
+                                                                        tokens, out, vec);
   K3_CUDA_CHECK_LAUNCH();
 }
 
@@ -257,8 +259,8 @@ void moe_combine(const __nv_bfloat16* y, const float* weights, int64_t rows, int
            top_k, " width ", width);
   if (rows == 0) return;
   K3_CHECK(top_k <= kCombineMaxK, "cuda::moe_combine: top_k ", top_k, " above ", kCombineMaxK);
-  const bool vec = width % 8 == 0 && aligned16(y) && aligned16(out) &&
-                   (norm_w == nullptr || aligned16(norm_w));
+  const bool vec =
+      width % 8 == 0 && aligned16(y) && aligned16(out) && (norm_w == nullptr || aligned16(norm_w));
   moe_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(
       y, y_pos, weights, top_k, width, norm_w, eps, vec, out);
   K3_CUDA_CHECK_LAUNCH();
@@ -276,16 +278,16 @@ void linear_bf16_grouped(const Bf16Grouped& g, const __nv_bfloat16* x, int64_t l
   // cudaMalloc'd / 16-B aligned expert tensors (a documented requirement) keeps rows aligned.
   const bool vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x);
   const dim3 grid(blocks_for(N, kGemmWarps), static_cast<unsigned>(g.n_slots));
-  grouped_linear_kernel<__nv_bfloat16><<<grid, kGemmWarps * 32, 0, stream>>>(
-      g.w, nullptr, g.slot_expert, g.slot_offsets, g.row_index, 0, x, ldx, N, K, y, ldy, y_fp32,
-      vec);
+  grouped_linear_kernel<__nv_bfloat16>
+      <<<grid, kGemmWarps * 32, 0, stream>>>(g.w, nullptr, g.slot_expert, g.slot_offsets,
+                                             g.row_index, 0, x, ldx, N, K, y, ldy, y_fp32, vec);
   K3_CUDA_CHECK_LAUNCH();
 }
 
 void linear_f32w(const __nv_bfloat16* x, int64_t ldx, const float* w, int64_t M, int64_t N,
                  int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
-  K3_CHECK(M >= 0 && N >= 1 && K >= 1 && ldx >= K && ldy >= N, "cuda::linear_f32w: M ", M, " N ",
-           N, " K ", K, " ldx ", ldx, " ldy ", ldy);
+  K3_CHECK(M >= 0 && N >= 1 && K >= 1 && ldx >= K && ldy >= N, "cuda::linear_f32w: M ", M, " N ", N,
+           " K ", K, " ldx ", ldx, " ldy ", ldy);
   if (M == 0) return;
   const bool vec = K % 8 == 0 && ldx % 8 == 0 && aligned16(x) && aligned16(w);
   const dim3 grid(blocks_for(N, kGemmWarps), 1);

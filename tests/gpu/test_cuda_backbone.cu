@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "backbone_test_util.h"
 #include "core/rng.h"
 #include "cpu/backbone.h"
 #include "cpu/latent_format.h"
@@ -28,7 +29,6 @@
 #include "spec_test_models.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
-#include "backbone_test_util.h"
 #include "test_util.h"
 
 namespace k3 {

@@ -37,18 +37,18 @@ constexpr int kMaxBoundary = 3;
 
 // The parameter combos, one per batch row.
 const std::vector<SampleRowParams> kCombos{
-    {0.0f, 0, 1.0f},     // greedy
-    {0.0f, 40, 0.5f},    // greedy ignores top-k / top-p
-    {1.0f, 0, 1.0f},     // temperature only
-    {0.6f, 0, 1.0f},     //
-    {1.7f, 0, 1.0f},     //
-    {1.0f, 50, 1.0f},    // top-k
-    {0.8f, 1, 1.0f},     // top-k 1 = greedy through the sampling path
-    {1.0f, 0, 0.9f},     // top-p
-    {1.2f, 0, 0.3f},     //
-    {1.0f, 0, 1e-7f},    // top-p keeps only the first
-    {0.9f, 40, 0.8f},    // both
-    {1.3f, 2000, 0.95f}, //
+    {0.0f, 0, 1.0f},      // greedy
+    {0.0f, 40, 0.5f},     // greedy ignores top-k / top-p
+    {1.0f, 0, 1.0f},      // temperature only
+    {0.6f, 0, 1.0f},      //
+    {1.7f, 0, 1.0f},      //
+    {1.0f, 50, 1.0f},     // top-k
+    {0.8f, 1, 1.0f},      // top-k 1 = greedy through the sampling path
+    {1.0f, 0, 0.9f},      // top-p
+    {1.2f, 0, 0.3f},      //
+    {1.0f, 0, 1e-7f},     // top-p keeps only the first
+    {0.9f, 40, 0.8f},     // both
+    {1.3f, 2000, 0.95f},  //
 };
 
 cpu::SamplingParams to_cpu(const SampleRowParams& p) {
@@ -76,7 +76,8 @@ bool is_boundary(const float* logits, int64_t vocab, const cpu::SamplingParams& 
     total += (q[static_cast<size_t>(i)] =
                   std::exp(static_cast<double>(logits[order[i]]) / p.temperature - zmax));
   double c = 0;
-  for (int64_t i = 0; i < kept; ++i) cum[static_cast<size_t>(i)] = (c += q[static_cast<size_t>(i)] / total);
+  for (int64_t i = 0; i < kept; ++i)
+    cum[static_cast<size_t>(i)] = (c += q[static_cast<size_t>(i)] / total);
   bool near = false;
   int64_t n = kept;
   if (p.top_p < 1.0f) {
@@ -108,7 +109,7 @@ void check_sampling(int64_t vocab, int draws, bool ties, float scale) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < vocab; ++i) {
       float x = rng.normal() * scale;
-      if (ties) x = std::round(x * 2.0f) / 2.0f;   // many equal logits, +0 and -0 among them
+      if (ties) x = std::round(x * 2.0f) / 2.0f;  // many equal logits, +0 and -0 among them
       if (ties && x == 0.0f && (rng.next_u64() & 1)) x = -0.0f;
       // Masked tokens have probability 0; token 0 never is, so every row keeps a distribution
       // (a vocabulary of 1 fully masked would be a user error, not a sampling case).
@@ -125,7 +126,7 @@ void check_sampling(int64_t vocab, int draws, bool ties, float scale) {
   for (int d = 0; d < draws; ++d) {
     std::vector<double> u(static_cast<size_t>(rows));
     for (double& x : u) x = rng.uniform();
-    if (d == 0) u[2] = 0.0;                   // the extremes of [0, 1)
+    if (d == 0) u[2] = 0.0;  // the extremes of [0, 1)
     if (d == 1) u[2] = 1.0 - 0x1.0p-53;
     cuda::copy_to_device(d_u, u.data(), u.size());
     d_ids.fill_bytes(0xff);
@@ -156,11 +157,13 @@ void check_sampling(int64_t vocab, int draws, bool ties, float scale) {
   EXPECT_LE(boundary, kMaxBoundary) << "vocab " << vocab << " boundary cases";
 }
 
-TEST(CudaSampling, MatchesCpuAtK3Vocab) { check_sampling(163840, 12, false, 3.0f); }
+TEST(CudaSampling, MatchesCpuAtK3Vocab) {
+  check_sampling(163840, 12, false, 3.0f);
+}
 
 TEST(CudaSampling, MatchesCpuSmallVocabWithTies) {
   check_sampling(1000, 200, true, 2.0f);
-  check_sampling(1, 20, false, 1.0f);  // a single token
+  check_sampling(1, 20, false, 1.0f);      // a single token
   check_sampling(3000, 100, false, 0.3f);  // flat: the draw walks deep into the CDF
 }
 
@@ -169,7 +172,8 @@ TEST(CudaSampling, GraphReplayReadsNewUniforms) {
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const int64_t rows = static_cast<int64_t>(kCombos.size()), vocab = 5000;
-  const std::vector<float> logits = test::random_normal(rng, static_cast<size_t>(rows * vocab), 2.0f);
+  const std::vector<float> logits =
+      test::random_normal(rng, static_cast<size_t>(rows * vocab), 2.0f);
   auto d_logits = cuda::to_device<float>(logits);
   auto d_params = cuda::to_device<SampleRowParams>(kCombos);
   DeviceBuffer<double> d_u(static_cast<size_t>(rows));
@@ -252,13 +256,13 @@ TEST(CudaSampling, DISABLED_TimeK3Vocab) {
     K3_CUDA_CHECK(cudaEventCreate(&a));
     K3_CUDA_CHECK(cudaEventCreate(&b));
     for (int i = 0; i < 3; ++i)
-      cuda::sample_rows(d_logits.data(), vocab, rows, vocab, d_params.data(), d_u.data(),
-                        ws.data(), d_ids.data(), nullptr);
+      cuda::sample_rows(d_logits.data(), vocab, rows, vocab, d_params.data(), d_u.data(), ws.data(),
+                        d_ids.data(), nullptr);
     const int iters = 20;
     K3_CUDA_CHECK(cudaEventRecord(a));
     for (int i = 0; i < iters; ++i)
-      cuda::sample_rows(d_logits.data(), vocab, rows, vocab, d_params.data(), d_u.data(),
-                        ws.data(), d_ids.data(), nullptr);
+      cuda::sample_rows(d_logits.data(), vocab, rows, vocab, d_params.data(), d_u.data(), ws.data(),
+                        d_ids.data(), nullptr);
     K3_CUDA_CHECK(cudaEventRecord(b));
     K3_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;

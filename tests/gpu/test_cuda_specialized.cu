@@ -89,7 +89,8 @@ PathDistance teacher_forced(const std::string& preset, SecondPath second_at) {
     d.fp32_vs_bf16 += rel_l2(want32, want);
     const int64_t stock_id = cpu::argmax(stock.data(), cfg.vocab_size);
     d.agree += cpu::argmax(spec.data(), cfg.vocab_size) == stock_id;
-    d.agree32 += cpu::argmax(want32.data(), cfg.vocab_size) == cpu::argmax(want.data(), cfg.vocab_size);
+    d.agree32 +=
+        cpu::argmax(want32.data(), cfg.vocab_size) == cpu::argmax(want.data(), cfg.vocab_size);
     if (i + 1 >= static_cast<int>(tokens.size())) tokens.push_back(stock_id);
   }
   std::printf(

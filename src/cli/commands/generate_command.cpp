@@ -66,8 +66,9 @@ void run_generate(const GenerateOpts& o) {
   validate_deploy_config(cfg, dc);
   // Refusals of the specialized path come first, with their reason, even on the CPU.
   if (specialized_decode_config(cfg, dc) && device != "cuda")
-    fail("decode_backend latency_specialized runs on the CUDA executor; this run is on the CPU "
-         "(no GPU, a build without CUDA, or --device cpu)");
+    fail(
+        "decode_backend latency_specialized runs on the CUDA executor; this run is on the CPU "
+        "(no GPU, a build without CUDA, or --device cpu)");
   const KdaDtypes kd = kda_dtypes(cfg, dc);
   cpu::Numerics num;
   num.bf16_activations = !o.fp32;

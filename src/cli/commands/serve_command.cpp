@@ -93,8 +93,9 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   const ModelConfig& cfg = model->config;
   validate_deploy_config(cfg, dc);
   if (specialized_decode_config(cfg, dc) && device != "cuda")
-    fail("decode_backend latency_specialized runs on the CUDA executor; this server runs on the "
-         "CPU (no GPU, a build without CUDA, or --device cpu)");
+    fail(
+        "decode_backend latency_specialized runs on the CUDA executor; this server runs on the "
+        "CPU (no GPU, a build without CUDA, or --device cpu)");
   K3_CHECK(o.max_queued_requests >= 0, "--max-queued-requests must be >= 0");
 
   std::shared_ptr<const serve::TextCodec> codec = serve::TextCodec::load(dir);
@@ -103,7 +104,8 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   layout.dcp = dc.decode_context_parallel_size;
   const bool multi_rank = layout.world() > 1 || layout.ep || layout.dcp > 1;
   if (multi_rank) {
-    K3_CHECK(device == "cpu", "--tensor-parallel-size / --data-parallel-size / "
+    K3_CHECK(device == "cpu",
+             "--tensor-parallel-size / --data-parallel-size / "
              "--enable-expert-parallel / --decode-context-parallel-size run the multi-rank CPU "
              "reference (ranks as threads); the GPU step is single-rank so far: add --device cpu");
     K3_CHECK(!o.fp32, "--fp32 is not supported by the multi-rank backend");
