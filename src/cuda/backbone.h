@@ -148,6 +148,8 @@ class CudaBackbone {
   void dsa_select(int layer, int64_t rows);  // fills the rows' selected token lists
   void ffn_dense(int layer, int64_t rows);
   void ffn_moe(int layer, int64_t rows);
+  // Router + top-k, then the experts' input (latent down or x), width L: both paths.
+  const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L);
   void mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out);
   const MlaDecodePlan& mla_plan(int64_t rows);
 

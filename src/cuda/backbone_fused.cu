@@ -215,23 +215,8 @@ void CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     linear(m.shared_down, b.shared_h.data(), S, R, b.shared.data(), H, false, side_);
   }
 
-  mark("moe_router");
-  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
-  RouterPlan rp;
-  rp.num_experts = static_cast<int>(E);
-  rp.top_k = k;
-  rp.num_expert_group = cfg_.num_expert_group;
-  rp.renormalize = cfg_.moe_renormalize;
-  rp.routed_scaling_factor = cfg_.routed_scaling_factor;
-  router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
-              stream_);
-  const __nv_bfloat16* z = b.x.data();
-  int64_t L = H;
-  if (!m.latent_down.empty()) {
-    L = m.latent_down.rows;
-    linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, stream_);
-    z = b.moe_z.data();
-  }
+  int64_t L = 0;
+  const __nv_bfloat16* z = route_and_project(m, R, L);
 
   mark("moe_experts");
   // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.

@@ -178,6 +178,31 @@ void CudaBackbone::ffn_dense(int l, int64_t R) {
   linear(d.down, b.ffn_h.data(), I, R, b.sub.data(), H, false, stream_);
 }
 
+// The MoE's first half, shared by both step paths: the router on the full-width x (fp32
+// logits; the bias only steers the choice) into expert_ids / expert_w, then the expert input:
+// the latent down-projection (K3, width L = its rows) or x itself (Kimi-Linear, L = hidden).
+const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R, int64_t& L) {
+  Buffers& b = *buf_;
+  const int64_t H = cfg_.hidden_size, E = m.gate.rows;
+  mark("moe_router");
+  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
+  RouterPlan rp;
+  rp.num_experts = static_cast<int>(E);
+  rp.top_k = cfg_.num_experts_per_token;
+  rp.num_expert_group = cfg_.num_expert_group;
+  rp.renormalize = cfg_.moe_renormalize;
+  rp.routed_scaling_factor = cfg_.routed_scaling_factor;
+  router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
+              stream_);
+  if (m.latent_down.empty()) {
+    L = H;
+    return b.x.data();
+  }
+  L = m.latent_down.rows;
+  linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, stream_);
+  return b.moe_z.data();
+}
+
 void CudaBackbone::ffn_moe(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
@@ -185,27 +210,9 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   const int k = cfg_.num_experts_per_token;
   const GluAct act = glu_act(cfg_);
 
-  mark("moe_router");
-  // Router on the full-width x (fp32 logits); the bias only steers the choice.
-  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
-  RouterPlan rp;
-  rp.num_experts = static_cast<int>(E);
-  rp.top_k = k;
-  rp.num_expert_group = cfg_.num_expert_group;
-  rp.renormalize = cfg_.moe_renormalize;
-  rp.routed_scaling_factor = cfg_.routed_scaling_factor;
-  router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
-              stream_);
-
-  // Experts in the latent (K3) or at full width (Kimi-Linear), the (row, choice) pairs grouped
-  // by expert so each chosen expert is read once for all its rows.
-  const __nv_bfloat16* z = b.x.data();
-  int64_t L = H;
-  if (!m.latent_down.empty()) {
-    L = m.latent_down.rows;
-    linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, stream_);
-    z = b.moe_z.data();
-  }
+  int64_t L = 0;
+  const __nv_bfloat16* z = route_and_project(m, R, L);
+  // The (row, choice) pairs grouped by expert so each chosen expert is read once for its rows.
   const int n = static_cast<int>(R * k), nE = static_cast<int>(E), rows = static_cast<int>(R);
   const int64_t I = m.inter;
   mark("moe_experts");

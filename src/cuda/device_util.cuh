@@ -63,6 +63,18 @@ __device__ __forceinline__ void load_f32x8(const float* p, bool vec, int n_valid
   }
 }
 
+// cpu::sigmoid exactly (ops_basic.cpp): only a non-positive number is exponentiated.
+__device__ __forceinline__ float sigmoid_ref(float x) {
+  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
+  const float e = expf(x);
+  return e / (1.0f + e);
+}
+
+// CTAs for n items at per_block each (at least 1: a launch with 0 blocks is an error).
+inline unsigned blocks_for(int64_t n, int per_block) {
+  return static_cast<unsigned>(n <= 0 ? 1 : (n + per_block - 1) / per_block);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -11,13 +11,7 @@ namespace k3::cuda {
 namespace {
 
 using detail::aligned16;
-
-// The same branches as cpu::sigmoid: only a non-positive number is exponentiated.
-__device__ __forceinline__ float sigmoid_ref(float x) {
-  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
-}
+using detail::sigmoid_ref;
 
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, bool v8, int n, float (&out)[8]) {
   detail::load_bf16x8(p, v8, n, out);

@@ -16,7 +16,9 @@ namespace k3::cuda {
 namespace {
 
 using detail::aligned16;
+using detail::blocks_for;
 using detail::load_bf16x8;
+using detail::sigmoid_ref;
 using detail::warp_sum;
 
 constexpr int kRowGroup = 8;  // rows sharing one pass over a head's weights
@@ -25,10 +27,6 @@ constexpr int kAbsRows = 64;  // W_uk rows (nope index) staged per pass
 constexpr int kAbsThreads = 256;
 constexpr int kUvCols = 16;  // value columns per up-projection CTA (2 per warp)
 constexpr int kUvThreads = 256;
-
-unsigned blocks_for(int64_t n, int per) {
-  return static_cast<unsigned>(std::max<int64_t>(1, (n + per - 1) / per));
-}
 
 // ---- q_abs = W_uk^T q_nope per head ----
 __global__ void __launch_bounds__(kAbsThreads)
@@ -86,13 +84,6 @@ __global__ void __launch_bounds__(kAbsThreads)
       const int rr = rs + 4 * k;
       if (rr < nr) q_abs[((r0 + rr) * heads + h) * kv_lora + c0 + c] = __float2bfloat16_rn(acc[k]);
     }
-}
-
-// The CPU's sigmoid (ops_basic.cpp): only a non-positive number is exponentiated.
-__device__ __forceinline__ float sigmoid_ref(float x) {
-  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
 }
 
 // ---- o = W_uv o_latent per head (+ sigmoid gate) ----

@@ -9,21 +9,17 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/device_util.cuh"
 #include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
 
+using detail::sigmoid_ref;
+
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
 constexpr int kWarpsPerCta = 4;
-
-// cpu::sigmoid exactly: only a non-positive number is exponentiated.
-__device__ __forceinline__ float sigmoid_ref(float x) {
-  if (x >= 0.0f) return 1.0f / (1.0f + expf(-x));
-  const float e = expf(x);
-  return e / (1.0f + e);
-}
 
 // (value, id) order of cpu::route: larger value first, then lower id.
 __device__ __forceinline__ bool better(float va, int ia, float vb, int ib) {

@@ -14,6 +14,7 @@ namespace k3::cuda {
 namespace {
 
 using detail::aligned16;
+using detail::blocks_for;
 using detail::load_bf16x8;
 using detail::load_f32x8;
 using detail::store_bf16x8;
@@ -25,10 +26,6 @@ constexpr int kGemmWarps = 8;
 
 __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) {
   return a < b ? a : b;
-}
-
-unsigned blocks_for(int64_t n, int per_block) {
-  return static_cast<unsigned>(std::max<int64_t>(1, (n + per_block - 1) / per_block));
 }
 
 // ---- embedding rows ----

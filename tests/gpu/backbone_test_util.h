@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "cpu/backbone.h"
 #include "cuda/backbone.h"
 #include "model/loaded_model.h"
 #include "synth/presets.h"
@@ -47,6 +48,18 @@ inline cuda::CudaBackboneOptions options(int rows, bool graphs, int64_t context 
   o.pool.page_size = 16;  // several pages per request, so the block table is exercised
   o.use_graphs = graphs;
   return o;
+}
+
+// The CPU references the GPU tests measure against: the bf16 one (the oracle) and the fp32 one,
+// whose distance from the oracle on the same tokens is the model's bf16 noise floor.
+inline cpu::CpuBackbone bf16_reference(const LoadedModel& m) {
+  return cpu::CpuBackbone(m.config, m.weights, {DType::BF16, DType::F32});
+}
+inline cpu::CpuBackbone fp32_reference(const LoadedModel& m) {
+  cpu::Numerics fp32;
+  fp32.bf16_activations = false;
+  return cpu::CpuBackbone(m.config, m.weights, {DType::F32, DType::F32, cpu::LatentFormat::F32},
+                          fp32);
 }
 
 inline double rms(const std::vector<float>& v) {

@@ -94,11 +94,7 @@ NoiseFloor cpu_noise_floor(const std::string& preset, const std::vector<int32_t>
                            const cuda::StepDiffReport& r) {
   const LoadedModel& m = tiny_model(preset);
   const ModelConfig& cfg = m.config;
-  const cpu::CpuBackbone ref(cfg, m.weights, {DType::BF16, DType::F32});
-  cpu::Numerics fp32;
-  fp32.bf16_activations = false;
-  const cpu::CpuBackbone ref32(cfg, m.weights, {DType::F32, DType::F32, cpu::LatentFormat::F32},
-                               fp32);
+  const cpu::CpuBackbone ref = bf16_reference(m), ref32 = fp32_reference(m);
   cpu::DecodeState st = ref.new_state(), st32 = ref32.new_state();
   const size_t V = static_cast<size_t>(cfg.vocab_size);
   std::vector<float> want(V), want32(V);

@@ -57,11 +57,7 @@ template <class SecondPath>
 PathDistance teacher_forced(const std::string& preset, SecondPath second_at) {
   const LoadedModel& m = tiny_model(preset);
   const ModelConfig& cfg = m.config;
-  const cpu::CpuBackbone ref(cfg, m.weights, {DType::BF16, DType::F32});
-  cpu::Numerics fp32;
-  fp32.bf16_activations = false;
-  const cpu::CpuBackbone ref32(cfg, m.weights, {DType::F32, DType::F32, cpu::LatentFormat::F32},
-                               fp32);
+  const cpu::CpuBackbone ref = bf16_reference(m), ref32 = fp32_reference(m);
   cuda::CudaBackbone gpu(cfg, m.weights, spec_options(2, true, {1}));
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
