@@ -2,23 +2,26 @@
 // the same run, on a synthetic K3 checkpoint with real per-rank layer shapes, against the byte
 // floor, with a per-stage breakdown of both.
 //
-// Model: the k3 (or k3.1 with --dsa) preset, --layers deep (K3 schedule: every 4th layer and the
-// last are MLA; 93 is the full model), sharded as one TP rank of --tp: attention heads, KDA heads,
-// the dense FFN and the lm_head vocabulary divided by tp; routed experts --experts per rank (EP:
-// 896 / 16 = 56); shared experts and latent projections whole (replicated, as under EP).
-// Collectives are not run. A full-depth rank (~97 GB) does not fit this host's disk as a
-// checkpoint: a --template-layers deep checkpoint (same schedule) is synthesized, and layer l of
-// the rank uses the weights of a template layer of the same kind (KDA / MLA, dense / MoE), each
-// uploaded to its own device memory, so every layer streams its own ~1 GB as a real rank does.
+// Model: one TP --tp / EP --ep rank of the k3 (or k3.1 with --dsa) preset, --layers deep (K3
+// schedule: every 4th layer and the last are MLA; 93 is the full model), laid out as
+// bench/bench_rank.h says: attention, dense FFN, shared experts and lm_head sharded by tp; the
+// router ranks all 896 experts; the rank holds experts [0, 896 / ep) and the pairs routed to
+// other ranks' experts drop out of its sum; latent projections whole. Collectives are not run
+// (CudaBackboneOptions::stub_collectives). A full-depth rank (~107 GB) does not fit this host's
+// disk as a checkpoint: a --template-layers deep checkpoint (same schedule, the rank's experts
+// only) is synthesized, and layer l of the rank uses the weights of a template layer of the
+// same kind (KDA / MLA, dense / MoE), each uploaded to its own device memory, so every layer
+// streams its own weights as a real rank does.
 // Context: every row's cache is made --context long (deterministic synthetic latents).
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
 // Floor: bytes the step must read (every weight of the layers' attention, router, latent and
-// shared projections, lm_head; the routed experts a batch touches, expected distinct
-// E (1 - (1 - k/E)^rows) under uniform routing; each row's latent cache min(ctx, topk) x W x 2 B
-// per MLA layer; KDA state read + write) / 4.3 TB/s.
+// shared projections, lm_head; the local experts a batch touches, expected distinct
+// (E / ep) (1 - (1 - k/E)^rows) under uniform routing; each row's latent cache min(ctx, topk) x
+// W x 2 B per MLA layer; KDA state read + write) / 4.3 TB/s.
 // Correctness beside the number: the same step is checked against the CPU reference on the
-// tiny models by k3_gpu_tests (CudaBackbone.*); here every logit must be finite.
+// tiny models by k3_gpu_tests (CudaBackbone.*, CudaExpertParallel.* for the rank slice); here
+// every logit must be finite and the two paths' logits are compared.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -26,12 +29,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "bench_rank.h"
 #include "core/error.h"
 #include "cuda/backbone.h"
 #include "cuda/check.h"
@@ -46,7 +51,7 @@ namespace {
 constexpr double kPeakTBps = 4.3;
 
 struct Args {
-  int layers = 8, tp = 16, experts = 56, replays = 20, template_layers = 8;
+  int layers = 8, tp = 16, ep = 16, replays = 20, template_layers = 8;
   bool dsa = false, profile = true, tuning = true;
   std::vector<std::string> paths = {"stock", "specialized"};
   std::vector<int> batches = {1, 8, 64};
@@ -74,8 +79,8 @@ Args parse(int argc, char** argv) {
       a.layers = std::atoi(v), ++i;
     else if (k == "--tp")
       a.tp = std::atoi(v), ++i;
-    else if (k == "--experts")
-      a.experts = std::atoi(v), ++i;
+    else if (k == "--ep")
+      a.ep = std::atoi(v), ++i;
     else if (k == "--replays")
       a.replays = std::atoi(v), ++i;
     else if (k == "--dir")
@@ -106,101 +111,6 @@ Args parse(int argc, char** argv) {
       fail("unknown argument ", k);
   }
   return a;
-}
-
-ModelConfig rank_config(const Args& a, int layers) {
-  ModelConfig c = synth_preset(a.dsa ? "k3.1" : "k3");
-  set_k3_layer_schedule(c, layers);
-  K3_CHECK(c.num_attention_heads % a.tp == 0 && c.linear_attn_config.num_heads % a.tp == 0,
-           "--tp must divide the head counts");
-  c.num_attention_heads /= a.tp;
-  c.linear_attn_config.num_heads /= a.tp;
-  c.intermediate_size /= a.tp;
-  c.vocab_size /= a.tp;  // vocab-parallel embedding / lm_head: this rank's shard
-  // Special ids of the full vocabulary fall outside a shard; any ids inside it do for timing.
-  c.bos_token_id = 1;
-  c.eos_token_ids = {2};
-  c.pad_token_id = 3;
-  c.num_experts = a.experts;
-  c.num_experts_per_token = std::min(c.num_experts_per_token, a.experts);
-  return c;
-}
-
-struct Floor {
-  double fixed = 0;   // weights every step reads
-  double expert = 0;  // one routed expert (w1 + w3 + w2)
-  int moe_layers = 0, mla_layers = 0, kda_layers = 0;
-  double kda_state = 0;   // per row per KDA layer, read + write
-  double latent_row = 0;  // per cached token per MLA layer
-};
-
-Floor floor_of(const ModelConfig& c, const ModelWeights& w) {
-  Floor f;
-  const auto add = [&](const WeightMatrix& m) {
-    if (!m.empty()) f.fixed += static_cast<double>(m.storage_bytes());
-  };
-  add(w.lm_head);
-  for (const LayerWeights& L : w.layers) {
-    if (L.kind == LayerKind::KDA) {
-      ++f.kda_layers;
-      for (const WeightMatrix* m :
-           {&L.kda.q_proj, &L.kda.k_proj, &L.kda.v_proj, &L.kda.f_a, &L.kda.f_b, &L.kda.b_proj,
-            &L.kda.g_proj, &L.kda.g_a, &L.kda.g_b, &L.kda.o_proj})
-        add(*m);
-    } else {
-      ++f.mla_layers;
-      for (const WeightMatrix* m : {&L.mla.q_a, &L.mla.q_b, &L.mla.q_proj, &L.mla.kv_a, &L.mla.kv_b,
-                                    &L.mla.g_proj, &L.mla.o_proj})
-        add(*m);
-      if (L.mla.indexer)
-        for (const WeightMatrix* m :
-             {&L.mla.indexer->wq_b, &L.mla.indexer->wk, &L.mla.indexer->weights_proj})
-          add(*m);
-    }
-    if (L.moe) {
-      ++f.moe_layers;
-      for (const WeightMatrix* m : {&L.moe_w.gate, &L.moe_w.latent_down, &L.moe_w.latent_up,
-                                    &L.moe_w.shared_gate, &L.moe_w.shared_up, &L.moe_w.shared_down})
-        add(*m);
-      const ExpertWeights& e = L.moe_w.experts[0];
-      f.expert =
-          static_cast<double>(e.w1.storage_bytes() + e.w3.storage_bytes() + e.w2.storage_bytes());
-    } else {
-      for (const WeightMatrix* m : {&L.dense.gate, &L.dense.up, &L.dense.down}) add(*m);
-    }
-  }
-  const double D = c.linear_attn_config.head_dim;
-  f.kda_state = 2.0 * c.linear_attn_config.num_heads * D * D * 4;
-  f.latent_row = (c.kv_lora_rank + c.qk_rope_head_dim) * 2.0 +
-                 (c.dsa_config.enabled ? c.dsa_config.index_head_dim + 4.0 : 0.0);
-  return f;
-}
-
-double floor_bytes(const Floor& f, const ModelConfig& c, int rows, int64_t ctx) {
-  const double E = c.num_experts, k = c.num_experts_per_token;
-  const double distinct = E * (1.0 - std::pow(1.0 - k / E, rows));
-  const double attended =
-      c.dsa_config.enabled ? std::min<double>(ctx, c.dsa_config.index_topk) : ctx;
-  return f.fixed + f.moe_layers * distinct * f.expert + rows * f.kda_layers * f.kda_state +
-         rows * f.mla_layers * attended * f.latent_row;
-}
-
-// The rank's weights: the template's layers, layer l taking the i-th template layer of its kind
-// (round robin), so the rank has cfg.num_hidden_layers layers of real shapes.
-ModelWeights replicate_layers(const ModelWeights& tmpl, const ModelConfig& cfg) {
-  ModelWeights w = tmpl;
-  w.layers.clear();
-  std::map<std::pair<int, bool>, int> used;
-  for (int l = 0; l < cfg.num_hidden_layers; ++l) {
-    const std::pair<int, bool> kind{static_cast<int>(cfg.layer_kind(l)), cfg.is_moe_layer(l)};
-    std::vector<size_t> same;
-    for (size_t j = 0; j < tmpl.layers.size(); ++j)
-      if (static_cast<int>(tmpl.layers[j].kind) == kind.first && tmpl.layers[j].moe == kind.second)
-        same.push_back(j);
-    K3_CHECK(!same.empty(), "the template checkpoint has no layer of layer ", l, "'s kind");
-    w.layers.push_back(tmpl.layers[same[static_cast<size_t>(used[kind]++) % same.size()]]);
-  }
-  return w;
 }
 
 double median_ms(std::vector<double> v) {
@@ -263,13 +173,14 @@ int run(const Args& a) {
     std::printf("no GPU: skipped\n");
     return 77;
   }
-  const ModelConfig cfg = rank_config(a, a.layers);
+  const bench::RankShape shape_of_rank{a.layers, a.tp, a.ep, a.dsa};
+  const ModelConfig cfg = bench::rank_config(shape_of_rank);
   const int tl = std::min(a.layers, a.template_layers);
-  const ModelConfig tcfg = rank_config(a, tl);
+  const ModelConfig tcfg = bench::template_config(shape_of_rank, tl);
   const std::string dir =
       a.dir.empty() ? (std::filesystem::temp_directory_path() /
                        ("k3_bench_step_l" + std::to_string(tl) + "_tp" + std::to_string(a.tp) +
-                        "_e" + std::to_string(a.experts) + (a.dsa ? "_dsa" : "")))
+                        "_ep" + std::to_string(a.ep) + (a.dsa ? "_dsa" : "")))
                           .string()
                     : a.dir;
   const auto t0 = std::chrono::steady_clock::now();
@@ -279,7 +190,9 @@ int run(const Args& a) {
     synthesize_checkpoint(tcfg, dir, so);
   }
   const auto model = LoadedModel::load(dir);
-  const ModelWeights weights = replicate_layers(model->weights, cfg);
+  std::deque<std::vector<uint8_t>> rank_storage;
+  const ModelWeights weights =
+      bench::rank_weights(model->weights, cfg, shape_of_rank, rank_storage);
   const auto t1 = std::chrono::steady_clock::now();
   const int max_rows = *std::max_element(a.batches.begin(), a.batches.end());
   const int64_t max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
@@ -287,6 +200,7 @@ int run(const Args& a) {
   const bool want_stock = std::find(a.paths.begin(), a.paths.end(), "stock") != a.paths.end();
   const int64_t margin = 4 * a.replays + 64;
   cuda::CudaBackboneOptions o;
+  o.stub_collectives = true;
   o.max_rows = max_rows;
   o.pool.slots = max_rows;
   o.pool.max_context = std::min<int64_t>(a.contexts.front(), max_ctx) + margin;
@@ -298,13 +212,13 @@ int run(const Args& a) {
   }
   cuda::CudaBackbone bb(cfg, weights, o);
   const auto t2 = std::chrono::steady_clock::now();
-  const Floor fl = floor_of(cfg, weights);
+  const bench::Floor fl = bench::floor_of(cfg, weights);
   std::printf(
-      "k3_bench_step: %s, %d layers (%d KDA, %d MLA), TP%d rank, %d experts, top-%d, "
-      "weights on GPU %.2f GB; synth+load %.1f s, upload + capture %.1f s\n",
-      a.dsa ? "k3.1" : "k3", cfg.num_hidden_layers, fl.kda_layers, fl.mla_layers, a.tp,
-      static_cast<int>(cfg.num_experts), cfg.num_experts_per_token, bb.weight_bytes() / 1e9,
-      std::chrono::duration<double>(t1 - t0).count(),
+      "k3_bench_step: %s, %d layers (%d KDA, %d MLA), TP%d / EP%d rank: experts [0, %d) of %d "
+      "held, top-%d, weights on GPU %.2f GB; synth+load %.1f s, upload + capture %.1f s\n",
+      a.dsa ? "k3.1" : "k3", cfg.num_hidden_layers, fl.kda_layers, fl.mla_layers, a.tp, a.ep,
+      fl.local_experts, static_cast<int>(cfg.num_experts), cfg.num_experts_per_token,
+      bb.weight_bytes() / 1e9, std::chrono::duration<double>(t1 - t0).count(),
       std::chrono::duration<double>(t2 - t1).count());
 
   cuda::DeviceBuffer<uint8_t> flush(256u << 20);
@@ -353,7 +267,7 @@ int run(const Args& a) {
         toks[static_cast<size_t>(r)] = static_cast<int32_t>((r * 7919 + 17) % cfg.vocab_size);
       }
       Row row{rows, ctx};
-      const double bytes = floor_bytes(fl, cfg, rows, ctx);
+      const double bytes = bench::floor_bytes(fl, cfg, rows, ctx);
       row.floor_ms = bytes / (kPeakTBps * 1e12) * 1e3;
       for (const auto& name : a.paths) {
         const cuda::StepPath path =
@@ -381,32 +295,52 @@ int run(const Args& a) {
       }
       if (want_spec && want_stock) row.rel = paths_rel_l2(bb, rows, ctx, V, slots, toks);
       if (want_spec && a.tuning && rows == a.batches.front()) {
-        // The specialized path with its PDL edges off, then with the L2 prefetch on (it is off
-        // by default), one change at a time.
-        const size_t l2_default = cuda::CudaBackboneOptions{}.l2_prefetch_bytes;
-        for (const auto& [pdl, l2] : {std::pair<bool, size_t>{false, l2_default},
-                                      std::pair<bool, size_t>{true, cuda::kL2PrefetchTrialBytes}}) {
-          bb.set_specialized_tuning(pdl, l2);
+        // The specialized path with one choice flipped at a time against the default.
+        const cuda::SpecializedTuning def;
+        struct Flip {
+          const char* what;
+          cuda::SpecializedTuning t;
+        };
+        std::vector<Flip> flips(6, Flip{"", def});
+        flips[0].what = "PDL edges off";
+        flips[0].t.pdl = false;
+        flips[1].what = "L2 prefetch on, 24 MB";
+        flips[1].t.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
+        flips[2].what = def.latent_beside_router ? "latent down after the router"
+                                                 : "latent down beside the router";
+        flips[2].t.latent_beside_router = !def.latent_beside_router;
+        flips[3].what = def.glu_in_down_proj ? "GLU as its own kernel" : "GLU in the down-proj";
+        flips[3].t.glu_in_down_proj = !def.glu_in_down_proj;
+        flips[4].what =
+            def.fold_residual_adds ? "residual adds as kernels" : "residual adds folded";
+        flips[4].t.fold_residual_adds = !def.fold_residual_adds;
+        flips[5].what = "run 9's choices: latent after router, GLU kernel, add kernels";
+        flips[5].t.latent_beside_router = false;
+        flips[5].t.glu_in_down_proj = false;
+        flips[5].t.fold_residual_adds = false;
+        for (const Flip& f : flips) {
+          bb.set_specialized_tuning(f.t);
           for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
           const double med =
               time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
           std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%%            (%s)\n", "spec-tuning",
                       rows, static_cast<long long>(ctx), med, row.floor_ms,
-                      100.0 * row.floor_ms / med, !pdl ? "PDL edges off" : "L2 prefetch on, 24 MB");
+                      100.0 * row.floor_ms / med, f.what);
         }
-        bb.set_specialized_tuning(true, l2_default);
+        bb.set_specialized_tuning(def);
       }
       table.push_back(row);
     }
   }
   for (const auto& p : profiles) std::printf("%s\n", p.c_str());
   std::printf("\n================ summary (%d layers) ================\n", cfg.num_hidden_layers);
-  std::printf("%6s %8s %10s %10s %10s %9s %9s %10s\n", "batch", "context", "stock ms", "spec ms",
-              "floor ms", "spec/flr", "speedup", "rel L2");
+  std::printf("%6s %8s %10s %10s %10s %9s %9s %10s %9s\n", "batch", "context", "stock ms",
+              "spec ms", "floor ms", "spec/flr", "speedup", "rel L2", "exp/layer");
   for (const Row& r : table)
-    std::printf("%6d %8lld %10.3f %10.3f %10.3f %8.2fx %8.2fx %10.2e\n", r.rows,
+    std::printf("%6d %8lld %10.3f %10.3f %10.3f %8.2fx %8.2fx %10.2e %9.1f\n", r.rows,
                 static_cast<long long>(r.ctx), r.stock, r.spec, r.floor_ms,
-                r.spec > 0 ? r.spec / r.floor_ms : 0.0, r.spec > 0 ? r.stock / r.spec : 0.0, r.rel);
+                r.spec > 0 ? r.spec / r.floor_ms : 0.0, r.spec > 0 ? r.stock / r.spec : 0.0, r.rel,
+                bench::expected_local_experts(fl, cfg, r.rows));
   return 0;
 }
 

@@ -32,6 +32,13 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
   K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_in_),
                                2 * static_cast<size_t>(opt.max_rows) * sizeof(int32_t)));
   weights_ = std::make_unique<DeviceWeights>(cfg, w);
+  for (size_t l = 0; l < weights_->layers.size(); ++l) {
+    const DevMoe& m = weights_->layers[l].moe_w;
+    K3_CHECK(!weights_->layers[l].moe || m.local.count == m.gate.rows || opt.stub_collectives,
+             "MoE layer ", l, " holds experts [", m.local.begin, ", ",
+             m.local.begin + m.local.count, ") of ", m.gate.rows,
+             ": an expert-parallel slice runs only with stub_collectives (one rank alone)");
+  }
   bind_pool();
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
@@ -65,7 +72,7 @@ void CudaBackbone::capture_specialized() {
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaBackbone::set_specialized_tuning(bool pdl, size_t l2_prefetch_bytes) {
+void CudaBackbone::set_specialized_tuning(const SpecializedTuning& t) {
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (auto it = graphs_.begin(); it != graphs_.end();) {
     if (it->first % 2 == 1) {
@@ -75,8 +82,7 @@ void CudaBackbone::set_specialized_tuning(bool pdl, size_t l2_prefetch_bytes) {
       ++it;
     }
   }
-  opt_.pdl = pdl;
-  opt_.l2_prefetch_bytes = l2_prefetch_bytes;
+  opt_.tuning = t;
   capture_specialized();
 }
 
@@ -220,7 +226,7 @@ void CudaBackbone::run_graph(int64_t rows, StepPath path) {
       throw;
     }
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    if (path == StepPath::Specialized && opt_.pdl) {
+    if (path == StepPath::Specialized && opt_.tuning.pdl) {
       try {
         make_kernel_edges_programmatic(graph);
       } catch (...) {
@@ -284,7 +290,7 @@ std::vector<StageTime> CudaBackbone::profile_step(std::span<const int32_t> slots
     enqueue(static_cast<int64_t>(slots.size()), path);
     mark("end");
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    if (path == StepPath::Specialized && opt_.pdl) make_kernel_edges_programmatic(graph);
+    if (path == StepPath::Specialized && opt_.tuning.pdl) make_kernel_edges_programmatic(graph);
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     K3_CUDA_CHECK(inst);

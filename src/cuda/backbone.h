@@ -40,6 +40,24 @@ enum class StepPath {
   Specialized,  // latency_specialized: fused providers, PDL-chained graphs (backbone_fused.cu)
 };
 
+// Choices of the specialized path kept only where they measure faster (k3_bench_step times each
+// against the default on the full rank; bench/RESULTS.md).
+struct SpecializedTuning {
+  bool pdl = true;  // programmatic kernel -> kernel edges in the graphs (graph_pdl.h)
+  // Bytes of the next weights warmed into L2 beside the latency-bound KDA recurrence; 0: off.
+  // Off by default: no gain measured on the H200 (the PDL edges already start each GEMM's
+  // weight stream while the kernel before it drains).
+  size_t l2_prefetch_bytes = 0;
+  // The latent down-projection on the side stream beside the router GEMM and top-k (the shared
+  // experts then follow it there) instead of after them on the main stream.
+  bool latent_beside_router = false;
+  // The expert down-projection applies the GLU while staging its input (no GLU launch).
+  bool glu_in_down_proj = true;
+  // The residual adds in the stores of the o-projection and the latent up-projection (which
+  // then waits for the shared experts) instead of add kernels after them.
+  bool fold_residual_adds = true;
+};
+
 struct CudaBackboneOptions {
   int max_rows = 64;   // rows (requests) per step
   SlotPoolShape pool;  // slots, context, page size, KDA state dtype
@@ -48,12 +66,13 @@ struct CudaBackboneOptions {
   // load (ascending; empty: the specialized path is off). A specialized step takes at most the
   // largest size (each row count its own graph).
   std::vector<int> capture_sizes;
-  bool pdl = true;  // specialized graphs: programmatic kernel -> kernel edges (graph_pdl.h)
-  // Specialized path: bytes of the next weights warmed into L2 beside the latency-bound KDA
-  // recurrence; 0 turns the prefetch off. Off by default: on the H200 it measured no gain
-  // (k3_bench_step, 24 MB: within 0.5% of off at batch 1, 1k and 32k context; bench/RESULTS.md),
-  // the PDL edges already start each GEMM's weight stream while the kernel before it drains.
-  size_t l2_prefetch_bytes = 0;
+  SpecializedTuning tuning;  // the specialized path's measured choices
+  // One rank's slice of the weights run alone, its collectives stubbed (k3_bench_step's TP16 /
+  // EP16 rank): experts held by no rank here (weights left empty, as parallel::RankWeights
+  // leaves another EP rank's) drop out of the routed sum, and the latent norm sees this rank's
+  // partial sum where a multi-GPU step would first all-reduce it. Without it such weights are
+  // refused: a single-GPU step must hold every expert.
+  bool stub_collectives = false;
 };
 
 // The prefetch budget k3_bench_step measures against the default.
@@ -115,7 +134,7 @@ class CudaBackbone {
   void rebind_cache(const SlotPoolShape& shape);
   // Benchmarks (measure on and off): the specialized path's PDL edges and L2 prefetch budget;
   // the specialized graphs are recaptured (which resets the capture slots 0..largest size-1).
-  void set_specialized_tuning(bool pdl, size_t l2_prefetch_bytes);
+  void set_specialized_tuning(const SpecializedTuning& t);
 
   int graphs_captured() const { return static_cast<int>(graphs_.size()); }
   bool specialized_ready() const { return !opt_.capture_sizes.empty(); }
@@ -135,8 +154,10 @@ class CudaBackbone {
   void attn_residual(bool restart, int64_t rows);  // P = sub (restart) or P += sub
   void enqueue_specialized(int64_t rows);
   // Specialized providers (backbone_fused.cu).
-  void attn_kda_fused(int layer, int64_t rows);
-  void ffn_moe_fused(int layer, int64_t rows);
+  // out: the o-projection's store epilogue (the specialized step folds the residual in).
+  void attn_kda_fused(int layer, int64_t rows, const LinearEpilogue& out);
+  // True when the layer's residual add (P += sub) was folded into the latent up-projection.
+  bool ffn_moe_fused(int layer, int64_t rows);
   void ffn_dense_fused(int layer, int64_t rows);
   void mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t rows);
   void fork_side();  // side_ waits for stream_'s work so far
@@ -144,12 +165,13 @@ class CudaBackbone {
   void prefetch_l2(std::initializer_list<const DevMatrix*> next);
   void mark(const char* stage);  // stage boundary (profile_step only)
   void attn_kda(int layer, int64_t rows);
-  void attn_mla(int layer, int64_t rows);
+  void attn_mla(int layer, int64_t rows, const LinearEpilogue& out = {});
   void dsa_select(int layer, int64_t rows);  // fills the rows' selected token lists
   void ffn_dense(int layer, int64_t rows);
   void ffn_moe(int layer, int64_t rows);
   // Router + top-k, then the experts' input (latent down or x), width L: both paths.
-  const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L);
+  const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L,
+                                         cudaStream_t latent_stream);
   void mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out);
   const MlaDecodePlan& mla_plan(int64_t rows);
 

@@ -44,7 +44,7 @@ void CudaBackbone::join_side() {
 // forks before and joins after the kernel it runs beside).
 void CudaBackbone::prefetch_l2(std::initializer_list<const DevMatrix*> next) {
   L2PrefetchList list;
-  size_t budget = opt_.l2_prefetch_bytes;
+  size_t budget = opt_.tuning.l2_prefetch_bytes;
   for (const DevMatrix* m : next) {
     if (budget == 0 || m->empty() || list.n == L2PrefetchList::kMax) break;
     const size_t elem = m->format == WeightFormat::F32 ? 4 : 2;
@@ -94,23 +94,30 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
     else
       rms_norm(b.P.data(), H, L.input_norm, R, H, cfg_.rms_norm_eps, b.x.data(), H, stream_);
     if (restart) write_bank_block(n_blocks++, R);
-    if (L.kind == LayerKind::KDA && !L.kda.in_proj.empty())
-      attn_kda_fused(l, R);
-    else if (L.kind == LayerKind::KDA)
+    // The residual (P = sub at a restart, else P += sub) in the o-projection's store.
+    LinearEpilogue residual;
+    const bool fold = opt_.tuning.fold_residual_adds;
+    residual.res = fold ? b.P.data() : nullptr;
+    residual.res_copy = restart;
+    if (L.kind == LayerKind::KDA && !L.kda.in_proj.empty()) {
+      attn_kda_fused(l, R, residual);
+    } else if (L.kind == LayerKind::KDA) {
       attn_kda(l, R);
-    else
-      attn_mla(l, R);
+    } else {
+      attn_mla(l, R, residual);
+    }
     tap(l, "attn", R);
-    attn_residual(restart, R);
+    if (!fold || (L.kind == LayerKind::KDA && L.kda.in_proj.empty())) attn_residual(restart, R);
 
     mark("ffn_norm");
     mix_norm(n_blocks, L.attn_res_mlp, L.post_attn_norm, R);
+    bool added = false;
     if (L.moe)
-      ffn_moe_fused(l, R);
+      added = ffn_moe_fused(l, R);
     else
       ffn_dense_fused(l, R);
     tap(l, "ffn", R);
-    add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
+    if (!added) add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
   }
 
   mark("lm_head");
@@ -119,7 +126,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
   advance_rows(b.slots.data(), R, pool_->positions(), stream_);
 }
 
-void CudaBackbone::attn_kda_fused(int l, int64_t R) {
+void CudaBackbone::attn_kda_fused(int l, int64_t R, const LinearEpilogue& out) {
   Buffers& b = *buf_;
   const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
   const KdaInProjLayout& in = k.in_layout;
@@ -159,7 +166,7 @@ void CudaBackbone::attn_kda_fused(int l, int64_t R) {
   const __nv_bfloat16* u = b.kda_in.data();
   const __nv_bfloat16* beta = b.kda_in.data() + in.b;
   // The recurrence is latency-bound (a few CTAs per row): warm o_proj into L2 beside it.
-  const bool warm = opt_.l2_prefetch_bytes > 0;
+  const bool warm = opt_.tuning.l2_prefetch_bytes > 0;
   if (warm) {
     fork_side();
     prefetch_l2({&k.o_proj});
@@ -174,7 +181,7 @@ void CudaBackbone::attn_kda_fused(int l, int64_t R) {
                     stream_, st);
   if (warm) join_side();
   mark("attn_o_proj");
-  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
+  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, out, stream_);
 }
 
 void CudaBackbone::ffn_dense_fused(int l, int64_t R) {
@@ -192,17 +199,17 @@ void CudaBackbone::ffn_dense_fused(int l, int64_t R) {
   linear(d.down, b.ffn_h.data(), I, R, b.sub.data(), H, false, stream_);
 }
 
-void CudaBackbone::ffn_moe_fused(int l, int64_t R) {
+bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
-  const int64_t H = cfg_.hidden_size, E = m.gate.rows;
+  const int64_t H = cfg_.hidden_size;
   const int k = cfg_.num_experts_per_token;
   const GluAct act = glu_act(cfg_);
   const bool shared = !m.shared_gate.empty();
 
-  // Shared experts on the side stream, from the same x, overlapping everything routed.
-  if (shared) {
-    fork_side();
+  // The shared experts on the side stream from the same x, beside the routed work.
+  const auto shared_experts = [&] {
+    if (!shared) return;
     const int64_t S = m.shared_gate.rows;
     if (!m.shared_gate_up.empty()) {
       linear(m.shared_gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, side_);
@@ -213,44 +220,73 @@ void CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     glu(act, b.ffn_gu32.data(), 2 * S, b.ffn_gu32.data() + S, 2 * S, R, S, b.shared_h.data(), S,
         side_);
     linear(m.shared_down, b.shared_h.data(), S, R, b.shared.data(), H, false, side_);
-  }
-
+  };
+  const bool beside = opt_.tuning.latent_beside_router;
+  if (beside || shared) fork_side();  // (every fork is joined before the layer ends)
+  if (!beside) shared_experts();      // from the start, beside router, latent and experts
   int64_t L = 0;
-  const __nv_bfloat16* z = route_and_project(m, R, L);
-
-  mark("moe_experts");
-  // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.
-  const int nE = static_cast<int>(E), rows = static_cast<int>(R);
+  // beside: the latent down-projection on the side stream next to the router GEMM and top-k
+  // (both read x only), the shared experts after it there.
+  const __nv_bfloat16* z = route_and_project(m, R, L, beside ? side_ : stream_);
+  const int rows = static_cast<int>(R);
   const int n = static_cast<int>(R * k);
-  const int slots = std::min(nE, n);
-  const int64_t I = m.inter;
-  moe_group_by_expert_compact(b.expert_ids.data(), R, k, nE, b.group_expert.data(),
+  // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.
+  const int slots = std::min(m.local.count, n);
+  moe_group_by_expert_compact(b.expert_ids.data(), R, k, m.local, b.group_expert.data(),
                               b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(),
                               stream_);
+  if (beside) {
+    join_side();  // z is ready
+    shared_experts();
+  }
+
+  mark("moe_experts");
+  const int64_t I = m.inter;
+  const ExpertGroups eg{
+      b.group_expert.data(),
+      b.group_offsets.data(),
+      b.group_rows.data(),
+      slots,
+      rows,
+      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, R, slots)};
   if (m.w13) {
-    expert_linear(m.expert_format, m.w13, m.w13_scales, b.group_expert.data(),
-                  b.group_offsets.data(), b.group_rows.data(), slots, rows, z, L, 2 * I, L,
-                  b.moe_gu32.data(), true, stream_);
+    expert_linear(m.expert_format, m.w13, m.w13_scales, eg, true, z, L, 2 * I, L, b.moe_gu32.data(),
+                  true, stream_);
   } else {
     // Separate halves into the same interleaved buffer (row stride 2I) is not expressible
     // with expert_linear's packed output: run them into the stock buffers instead.
-    expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(), b.group_offsets.data(),
-                  b.group_rows.data(), slots, rows, z, L, I, L, b.moe_g32.data(), true, stream_);
-    expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(), b.group_offsets.data(),
-                  b.group_rows.data(), slots, rows, z, L, I, L, b.moe_u32.data(), true, stream_);
+    expert_linear(m.expert_format, m.w1, m.w1_scales, eg, true, z, L, I, L, b.moe_g32.data(), true,
+                  stream_);
+    expert_linear(m.expert_format, m.w3, m.w3_scales, eg, true, z, L, I, L, b.moe_u32.data(), true,
+                  stream_);
   }
-  const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
-  const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
-  const int64_t gu_ld = m.w13 ? 2 * I : I;
-  glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
-  expert_linear(m.expert_format, m.w2, m.w2_scales, b.group_expert.data(), b.group_offsets.data(),
-                nullptr, slots, rows, b.moe_h.data(), I, L, I, b.moe_y.data(), false, stream_);
+  // The down-projection applies the GLU as it stages its input (one launch fewer), where the
+  // kernel takes these operands (MXFP4, fused w1|w3 output rows); else GLU, then the GEMM.
+  if (!(m.w13 && opt_.tuning.glu_in_down_proj &&
+        expert_down_glu(m, eg, act, b.moe_gu32.data(), 2 * I, I, b.moe_y.data(), stream_))) {
+    const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
+    const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
+    const int64_t gu_ld = m.w13 ? 2 * I : I;
+    glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
+    expert_linear(m.expert_format, m.w2, m.w2_scales, eg, false, b.moe_h.data(), I, L, I,
+                  b.moe_y.data(), false, stream_);
+  }
 
   mark("moe_combine_up");
   const bool up = !m.latent_up.empty();
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
   moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
               cfg_.rms_norm_eps, routed, stream_, b.group_pos.data());
+  if (up && opt_.tuning.fold_residual_adds) {
+    // The latent up-projection's store adds the shared experts' output (sub = routed + shared)
+    // and the layer's residual (P += sub), rounding as the separate adds.
+    if (shared) join_side();
+    LinearEpilogue tail;
+    tail.add = shared ? b.shared.data() : nullptr;
+    tail.res = b.P.data();
+    linear(m.latent_up, b.moe_acc.data(), L, R, b.sub.data(), H, tail, stream_);
+    return true;
+  }
   if (up) {
     linear(m.latent_up, b.moe_acc.data(), L, R, b.moe_routed.data(), H, false, stream_);
     routed = b.moe_routed.data();
@@ -259,10 +295,11 @@ void CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     K3_CUDA_CHECK(cudaMemcpyAsync(b.sub.data(), routed,
                                   static_cast<size_t>(R * H) * sizeof(__nv_bfloat16),
                                   cudaMemcpyDeviceToDevice, stream_));
-    return;
+    return false;
   }
   join_side();
   add_bf16(routed, b.shared.data(), R * H, b.sub.data(), stream_);
+  return false;
 }
 
 }  // namespace k3::cuda

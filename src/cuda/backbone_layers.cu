@@ -1,5 +1,6 @@
 // The per-layer blocks of the stock CUDA step, each the GPU form of one cpu/layer_*.cpp
 // function over a batch of rows: reads b.x (the normed layer input), writes b.sub.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -30,31 +31,52 @@ GluAct glu_act(const ModelConfig& cfg) {
   return a;
 }
 
-// A bf16 or MXFP4 expert GEMM over expert-grouped rows: slot e = expert e, its rows the
-// (token, choice) pairs that chose it (at most max_rows, the step's row count).
+int expected_active_experts(int local, int E, int top_k, int64_t rows, int slots) {
+  const double p_miss = std::pow(1.0 - static_cast<double>(top_k) / E, static_cast<double>(rows));
+  const int want = static_cast<int>(std::ceil(local * (1.0 - p_miss) - 1e-9));
+  return std::clamp(want, 1, std::max(1, slots));
+}
+
 void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const* scales,
-                   const int32_t* slot_expert, const int32_t* offsets, const int32_t* row_index,
-                   int n_slots, int max_rows, const __nv_bfloat16* x, int64_t ldx, int64_t N,
-                   int64_t K, void* y, bool y_fp32, cudaStream_t stream) {
+                   const ExpertGroups& eg, bool gather, const __nv_bfloat16* x, int64_t ldx,
+                   int64_t N, int64_t K, void* y, bool y_fp32, cudaStream_t stream) {
+  const int32_t* row_index = gather ? eg.row_index : nullptr;
   if (fmt == WeightFormat::MXFP4) {
     Mxfp4Grouped g;
     g.packed = reinterpret_cast<const uint8_t* const*>(w);
     g.scales = scales;
-    g.slot_expert = slot_expert;
-    g.slot_offsets = offsets;
+    g.slot_expert = eg.slot_expert;
+    g.slot_offsets = eg.offsets;
     g.row_index = row_index;
-    g.n_slots = n_slots;
-    g.max_rows_per_slot = max_rows;
+    g.n_slots = eg.n_slots;
+    g.max_rows_per_slot = eg.max_rows;
+    g.expected_active = eg.expected_active;
     linear_mxfp4_grouped(g, x, ldx, N, K, y, N, y_fp32, stream);
   } else {
     Bf16Grouped g;
     g.w = reinterpret_cast<const __nv_bfloat16* const*>(w);
-    g.slot_expert = slot_expert;
-    g.slot_offsets = offsets;
+    g.slot_expert = eg.slot_expert;
+    g.slot_offsets = eg.offsets;
     g.row_index = row_index;
-    g.n_slots = n_slots;
+    g.n_slots = eg.n_slots;
     linear_bf16_grouped(g, x, ldx, N, K, y, N, y_fp32, stream);
   }
+}
+
+bool expert_down_glu(const DevMoe& m, const ExpertGroups& eg, const GluAct& act, const float* gu,
+                     int64_t ld_gu, int64_t up, __nv_bfloat16* y, cudaStream_t stream) {
+  if (m.expert_format != WeightFormat::MXFP4) return false;
+  Mxfp4Grouped g;
+  g.packed = reinterpret_cast<const uint8_t* const*>(m.w2);
+  g.scales = m.w2_scales;
+  g.slot_expert = eg.slot_expert;
+  g.slot_offsets = eg.offsets;
+  g.n_slots = eg.n_slots;
+  g.max_rows_per_slot = eg.max_rows;
+  g.expected_active = eg.expected_active;
+  if (!grouped_glu_supported(g, m.inter, gu, ld_gu, up)) return false;
+  linear_mxfp4_grouped_glu(g, gu, ld_gu, up, act, m.io, m.inter, y, m.io, false, stream);
+  return true;
 }
 
 void CudaBackbone::attn_kda(int l, int64_t R) {
@@ -103,7 +125,7 @@ void CudaBackbone::attn_kda(int l, int64_t R) {
   linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
 }
 
-void CudaBackbone::attn_mla(int l, int64_t R) {
+void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   Buffers& b = *buf_;
   const DevMla& m = weights_->layers[static_cast<size_t>(l)].mla;
   const int64_t H = cfg_.hidden_size;
@@ -163,8 +185,7 @@ void CudaBackbone::attn_mla(int l, int64_t R) {
   mla_unabsorb_v(b.mla_o_lat.data(), m.kv_b.bf16(), gate, R, nh, nope, vd, kvl, b.mla_o.data(),
                  stream_);
   mark("attn_o_proj");
-  linear(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, b.sub.data(), H, false,
-         stream_);
+  linear(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, b.sub.data(), H, out, stream_);
 }
 
 void CudaBackbone::ffn_dense(int l, int64_t R) {
@@ -180,8 +201,10 @@ void CudaBackbone::ffn_dense(int l, int64_t R) {
 
 // The MoE's first half, shared by both step paths: the router on the full-width x (fp32
 // logits; the bias only steers the choice) into expert_ids / expert_w, then the expert input:
-// the latent down-projection (K3, width L = its rows) or x itself (Kimi-Linear, L = hidden).
-const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R, int64_t& L) {
+// the latent down-projection (K3, width L = its rows) or x itself (Kimi-Linear, L = hidden),
+// enqueued on latent_stream (stream_, or a side stream the caller forked and joins).
+const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R, int64_t& L,
+                                                     cudaStream_t latent_stream) {
   Buffers& b = *buf_;
   const int64_t H = cfg_.hidden_size, E = m.gate.rows;
   mark("moe_router");
@@ -199,32 +222,40 @@ const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R,
     return b.x.data();
   }
   L = m.latent_down.rows;
-  linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, stream_);
+  linear(m.latent_down, b.x.data(), H, R, b.moe_z.data(), L, false, latent_stream);
   return b.moe_z.data();
 }
 
 void CudaBackbone::ffn_moe(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
-  const int64_t H = cfg_.hidden_size, E = m.gate.rows;
+  const int64_t H = cfg_.hidden_size;
   const int k = cfg_.num_experts_per_token;
   const GluAct act = glu_act(cfg_);
 
   int64_t L = 0;
-  const __nv_bfloat16* z = route_and_project(m, R, L);
+  const __nv_bfloat16* z = route_and_project(m, R, L, stream_);
   // The (row, choice) pairs grouped by expert so each chosen expert is read once for its rows.
-  const int n = static_cast<int>(R * k), nE = static_cast<int>(E), rows = static_cast<int>(R);
+  const int n = static_cast<int>(R * k);
   const int64_t I = m.inter;
   mark("moe_experts");
-  moe_group_by_expert(b.expert_ids.data(), R, k, nE, b.group_expert.data(), b.group_offsets.data(),
-                      b.group_rows.data(), b.group_pos.data(), stream_);
-  expert_linear(m.expert_format, m.w1, m.w1_scales, b.group_expert.data(), b.group_offsets.data(),
-                b.group_rows.data(), nE, rows, z, L, I, L, b.moe_g32.data(), true, stream_);
-  expert_linear(m.expert_format, m.w3, m.w3_scales, b.group_expert.data(), b.group_offsets.data(),
-                b.group_rows.data(), nE, rows, z, L, I, L, b.moe_u32.data(), true, stream_);
+  moe_group_by_expert(b.expert_ids.data(), R, k, m.local, b.group_expert.data(),
+                      b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(), stream_);
+  // One slot per local expert, busy as the expected count says.
+  const ExpertGroups eg{
+      b.group_expert.data(),
+      b.group_offsets.data(),
+      b.group_rows.data(),
+      m.local.count,
+      static_cast<int>(R),
+      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, R, m.local.count)};
+  expert_linear(m.expert_format, m.w1, m.w1_scales, eg, true, z, L, I, L, b.moe_g32.data(), true,
+                stream_);
+  expert_linear(m.expert_format, m.w3, m.w3_scales, eg, true, z, L, I, L, b.moe_u32.data(), true,
+                stream_);
   glu(act, b.moe_g32.data(), I, b.moe_u32.data(), I, n, I, b.moe_h.data(), I, stream_);
-  expert_linear(m.expert_format, m.w2, m.w2_scales, b.group_expert.data(), b.group_offsets.data(),
-                nullptr, nE, rows, b.moe_h.data(), I, L, I, b.moe_y.data(), false, stream_);
+  expert_linear(m.expert_format, m.w2, m.w2_scales, eg, false, b.moe_h.data(), I, L, I,
+                b.moe_y.data(), false, stream_);
 
   // Weighted sum of the choices (the complete sum: the latent norm needs all of it), then up.
   mark("moe_combine_up");

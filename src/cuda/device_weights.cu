@@ -32,6 +32,17 @@ void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, 
   fail("linear: weight format ", weight_format_name(w.format), " has no GPU kernel");
 }
 
+void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, __nv_bfloat16* y,
+            int64_t ldy, const LinearEpilogue& epi, cudaStream_t stream) {
+  if (epi.empty()) {
+    linear(w, x, ldx, M, y, ldy, false, stream);
+    return;
+  }
+  K3_CHECK(!w.empty() && w.format == WeightFormat::BF16,
+           "linear: a fused residual add needs a bf16 weight, got ", weight_format_name(w.format));
+  linear_bf16(x, ldx, w.bf16(), M, w.rows, w.cols, y, ldy, epi, stream);
+}
+
 namespace {
 // Bytes of one row of the data array (BF16, MXFP4 packed) and of the MXFP4 scales array.
 int64_t data_row_bytes(const WeightMatrix& m) {
@@ -40,6 +51,28 @@ int64_t data_row_bytes(const WeightMatrix& m) {
 int64_t scale_row_bytes(const WeightMatrix& m) {
   return m.format == WeightFormat::MXFP4 ? m.cols / 32 : 0;
 }
+// The experts a MoE layer's weights hold: all of them, or the contiguous range an
+// expert-parallel rank keeps (parallel::RankWeights leaves the others empty).
+LocalExperts held_experts(const MoeWeights& m, int layer) {
+  const auto held = [&](size_t e) {
+    const ExpertWeights& x = m.experts[e];
+    const int n = !x.w1.empty() + !x.w3.empty() + !x.w2.empty();
+    K3_CHECK(n == 0 || n == 3, "MoE layer ", layer, " expert ", e, " has ", n,
+             " of its w1 / w3 / w2 matrices");
+    return n == 3;
+  };
+  LocalExperts r{-1, 0};
+  for (size_t e = 0; e < m.experts.size(); ++e) {
+    if (!held(e)) continue;
+    if (r.begin < 0) r.begin = static_cast<int>(e);
+    K3_CHECK(r.begin + r.count == static_cast<int>(e), "MoE layer ", layer,
+             ": the held experts are not one contiguous range (expert ", e, " after a gap)");
+    ++r.count;
+  }
+  K3_CHECK(r.count > 0, "MoE layer ", layer, " holds no experts");
+  return r;
+}
+
 }  // namespace
 
 bool can_concat(const std::vector<const WeightMatrix*>& ms) {
@@ -250,17 +283,19 @@ DeviceWeights::DeviceWeights(const ModelConfig& cfg, const ModelWeights& w) {
       d.shared_up = su.parts[1];
       d.shared_gate_up = su.combined;
       d.shared_down = upload(m.shared_down);
-      K3_CHECK(!m.experts.empty(), "MoE layer ", l, " has no experts");
-      d.expert_format = m.experts[0].w1.format;
+      d.local = held_experts(m, l);
+      const ExpertWeights& first = m.experts[static_cast<size_t>(d.local.begin)];
+      d.expert_format = first.w1.format;
       K3_CHECK(d.expert_format == WeightFormat::MXFP4 || d.expert_format == WeightFormat::BF16,
                "the CUDA path runs MXFP4 or bf16 experts; layer ", l, " has ",
                weight_format_name(d.expert_format));
-      d.inter = m.experts[0].w1.rows;
-      d.io = m.experts[0].w1.cols;
+      d.inter = first.w1.rows;
+      d.io = first.w1.cols;
       std::vector<const void*> w1, w3, w2;
       std::vector<const uint8_t*> s1, s3, s2;
       bool w13 = true;  // every expert's [w1; w3] in one allocation
-      for (const ExpertWeights& e : m.experts) {
+      for (int i = 0; i < d.local.count; ++i) {
+        const ExpertWeights& e = m.experts[static_cast<size_t>(d.local.begin + i)];
         for (const WeightMatrix* x : {&e.w1, &e.w3, &e.w2})
           K3_CHECK(x->format == d.expert_format, "expert ", x->name, " is ",
                    weight_format_name(x->format), ", the other experts ",

@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "cuda/device_buffer.h"
+#include "cuda/linear_bf16.h"
+#include "cuda/moe_dispatch.h"
 #include "model/config.h"
 #include "model/model_weights.h"
 
@@ -34,6 +36,10 @@ struct DevMatrix {
 // x: [M, cols] bf16, row stride ldx; y: row stride ldy (device).
 void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, void* y,
             int64_t ldy, bool y_fp32, cudaStream_t stream);
+// The same with bf16 y and residual adds in the store (linear_bf16.h LinearEpilogue; bf16
+// weights, or any format when epi is empty).
+void linear(const DevMatrix& w, const __nv_bfloat16* x, int64_t ldx, int64_t M, __nv_bfloat16* y,
+            int64_t ldy, const LinearEpilogue& epi, cudaStream_t stream);
 
 // Several matrices [rows_i, cols] in one device allocation, rows concatenated in order.
 // combined: [sum rows_i, cols], empty when the members had to be uploaded apart (see
@@ -96,17 +102,21 @@ struct DevMoe {
   DevMatrix shared_gate_up;  // [2S, H] = [shared_gate; shared_up] (empty if not fused)
   WeightFormat expert_format = WeightFormat::MXFP4;  // MXFP4 or BF16 (all experts alike)
   int64_t inter = 0, io = 0;                         // expert [inter, io] / [io, inter]
-  // Device arrays [E] of expert matrix pointers (data / scales) for w1, w3, w2.
+  // The experts held here: global ids [local.begin, local.begin + local.count) of the router's
+  // E (all E unless the weights are an expert-parallel rank's slice, the others left empty).
+  LocalExperts local;
+  // Device arrays [local.count] of expert matrix pointers (data / scales) for w1, w3, w2,
+  // indexed by local id.
   const void* const* w1 = nullptr;
   const void* const* w3 = nullptr;
   const void* const* w2 = nullptr;
   const uint8_t* const* w1_scales = nullptr;
   const uint8_t* const* w3_scales = nullptr;
   const uint8_t* const* w2_scales = nullptr;
-  // Device array [E]: expert e's [2*inter, io] matrix, rows [0, inter) = w1, [inter, 2*inter) =
-  // w3 (MXFP4: packed [2*inter, io/2] and w13_scales[e] [2*inter, io/32], each contiguous;
-  // BF16: [2*inter, io] bf16, w13_scales null). w13[e] == w1[e], w3[e] = w13[e] + inter rows
-  // (the same tables: w13 aliases w1). Null when some expert's pair could not be fused.
+  // Device array [local.count]: expert e's [2*inter, io] matrix, rows [0, inter) = w1, [inter,
+  // 2*inter) = w3 (MXFP4: packed [2*inter, io/2] and w13_scales[e] [2*inter, io/32], each
+  // contiguous; BF16: [2*inter, io] bf16, w13_scales null). w13[e] == w1[e], w3[e] = w13[e] + inter
+  // rows (the same tables: w13 aliases w1). Null when some expert's pair could not be fused.
   const void* const* w13 = nullptr;
   const uint8_t* const* w13_scales = nullptr;
 };

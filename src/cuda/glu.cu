@@ -5,13 +5,13 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/glu_math.cuh"
 #include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
 
 using detail::aligned16;
-using detail::sigmoid_ref;
 
 __device__ __forceinline__ void load8(const __nv_bfloat16* p, bool v8, int n, float (&out)[8]) {
   detail::load_bf16x8(p, v8, n, out);
@@ -36,17 +36,9 @@ __global__ void __launch_bounds__(256)
   float gv[8], uv[8], o[8];
   load8(g + r * g_stride + c0, v8, n_valid, gv);
   load8(u + r * u_stride + c0, v8, n_valid, uv);
+  act.kind = kKind;  // a compile-time kind: the branch in glu_apply folds away
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    if constexpr (kKind == GluAct::Kind::SiLU) {
-      o[k] = gv[k] * sigmoid_ref(gv[k]) * uv[k];
-    } else {
-      const float gate = act.beta * tanhf(gv[k] / act.beta) * sigmoid_ref(gv[k]);
-      const float lin =
-          act.has_linear_beta ? act.linear_beta * tanhf(uv[k] / act.linear_beta) : uv[k];
-      o[k] = gate * lin;
-    }
-  }
+  for (int k = 0; k < 8; ++k) o[k] = detail::glu_apply(act, gv[k], uv[k]);
   detail::store_bf16x8(h + r * h_stride + c0, v8, n_valid, o);
 }
 

@@ -123,8 +123,11 @@ void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const
   detail::launch_skinny<Bf16Format>(p, a, stream);
 }
 
-void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
-                 int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+namespace {
+
+void linear_bf16_impl(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M,
+                      int64_t N, int64_t K, void* y, int64_t ldy, bool y_fp32,
+                      const LinearEpilogue& epi, cudaStream_t stream) {
   K3_CHECK(M >= 0 && N >= 1 && K >= 1, "linear_bf16: shape ", M, "x", N, "x", K);
   const bool tiled_ok = K % 8 == 0 && ldx % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
   const size_t ysize = y_fp32 ? 4 : 2;
@@ -140,11 +143,27 @@ void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, in
     a.y = static_cast<uint8_t*>(y) + m0 * ldy * ysize;
     a.ldy = ldy;
     a.y_fp32 = y_fp32 ? 1 : 0;
+    a.add = epi.add ? epi.add + m0 * ldy : nullptr;
+    a.res = epi.res ? epi.res + m0 * ldy : nullptr;
+    a.res_copy = epi.res_copy ? 1 : 0;
     a.m = m;
     a.n = static_cast<int>(N);
     a.k = static_cast<int>(K);
     detail::launch_planned<Bf16Format>(LinearWeight::BF16, m, 1, tiled_ok, a, stream);
   }
+}
+
+}  // namespace
+
+void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
+                 int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  linear_bf16_impl(x, ldx, w, M, N, K, y, ldy, y_fp32, {}, stream);
+}
+
+void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
+                 int64_t K, __nv_bfloat16* y, int64_t ldy, const LinearEpilogue& epi,
+                 cudaStream_t stream) {
+  linear_bf16_impl(x, ldx, w, M, N, K, y, ldy, false, epi, stream);
 }
 
 }  // namespace k3::cuda

@@ -24,6 +24,20 @@ namespace k3::cuda {
 void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
                  int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream);
 
+// Residual adds folded into the GEMM's store (bf16 y only), rounding as the separate adds do:
+//   y = bf16(bf16(x . W^T) + add)          when add (else the GEMM's output)
+//   res = res_copy ? y : bf16(res + y)     when res (updated in place)
+// add, res: [M, N] with y's row stride ldy (device); neither may overlap y, x or w.
+struct LinearEpilogue {
+  const __nv_bfloat16* add = nullptr;
+  __nv_bfloat16* res = nullptr;
+  bool res_copy = false;
+  bool empty() const { return !add && !res; }
+};
+void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
+                 int64_t K, __nv_bfloat16* y, int64_t ldy, const LinearEpilogue& epi,
+                 cudaStream_t stream);
+
 // The plan linear_bf16 uses for one launch of m <= 64 rows (cached).
 LinearPlan plan_linear_bf16(int m, int64_t n, int64_t k);
 // Every tiled plan, best model estimate first (bench and tests).

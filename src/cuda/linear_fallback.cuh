@@ -51,13 +51,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int t = 0; t < 8; ++t) {
       const float v = warp_sum(acc[t]);
-      if (lane == 0 && xr[t]) {
-        const int64_t o = static_cast<int64_t>(off + m0 + t) * a.ldy + n;
-        if (a.y_fp32)
-          static_cast<float*>(a.y)[o] = v;
-        else
-          static_cast<__nv_bfloat16*>(a.y)[o] = __float2bfloat16_rn(v);
-      }
+      if (lane == 0 && xr[t]) store_output(a, static_cast<int64_t>(off + m0 + t) * a.ldy + n, v);
     }
   }
 }

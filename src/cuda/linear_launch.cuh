@@ -76,18 +76,18 @@ inline void allow_max_smem(const void* fn) {
 
 // The best tiled plan for a shape (model-ranked), cached per device.
 template <class Fmt>
-LinearPlan best_plan(LinearWeight w, int m, int64_t n, int64_t k, int groups) {
+LinearPlan best_plan(LinearWeight w, int m, int64_t n, int64_t k, int groups, int active = 0) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, int64_t, int64_t, int>, LinearPlan> cache;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int, int>, LinearPlan> cache;
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, m, n, k, groups);
+  const auto key = std::make_tuple(dev, m, n, k, groups, active);
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  const auto c = linear_candidates(w, m, n, k, groups, device_limits(), skinny_regs<Fmt>);
+  const auto c = linear_candidates(w, m, n, k, groups, device_limits(), skinny_regs<Fmt>, active);
   LinearPlan p;
   if (c.empty()) {
     p.weight = w, p.m = m, p.n = n, p.k = k, p.groups = groups, p.fallback = true;
@@ -106,6 +106,8 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
   K3_CHECK(a.n == p.n && a.k == p.k && a.m <= p.m, "skinny GEMM: plan for ", p.m, "x", p.n, "x",
            p.k, " used for ", a.m, "x", a.n, "x", a.k);
   if (p.fallback) {
+    K3_CHECK(!a.x_glu, "skinny GEMM: the GLU input needs a tiled plan, none fits ", p.m, "x", p.n,
+             "x", p.k);
     const dim3 grid(static_cast<unsigned>((p.n + 7) / 8), static_cast<unsigned>(p.groups));
     linear_fallback_kernel<typename Fmt::Dec><<<grid, 256, 0, stream>>>(a);
     return cudaGetLastError();
@@ -171,13 +173,14 @@ LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
   return best;
 }
 
-// Launches a.m x a.n x a.k (groups slots) with the tuned plan of the shape, tuning it first
-// where allowed; `tiled_ok`: the operands meet the tiled kernel's alignment (else the fallback).
+// Launches a.m x a.n x a.k (groups slots, `active` of them expected busy: LinearPlan) with the
+// tuned plan of the shape, tuning it first where allowed; `tiled_ok`: the operands meet the
+// tiled kernel's alignment (else the fallback).
 template <class Fmt>
 void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, int active = 0) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, int64_t, int64_t, int>, LinearPlan> tuned;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int, int>, LinearPlan> tuned;
   if (!tiled_ok) {
     LinearPlan p;
     p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
@@ -186,8 +189,8 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
   }
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key =
-      std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n), static_cast<int64_t>(a.k), groups);
+  const auto key = std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n),
+                                   static_cast<int64_t>(a.k), groups, active);
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = tuned.find(key);
@@ -196,13 +199,18 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
       return;
     }
   }
-  LinearPlan p = best_plan<Fmt>(w, plan_m, a.n, a.k, groups);
+  LinearPlan p = best_plan<Fmt>(w, plan_m, a.n, a.k, groups, active);
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   K3_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
   if (!p.fallback && cap == cudaStreamCaptureStatusNone && linear_tuning_enabled() && a.x != a.y) {
+    // Timed without the epilogue: repeated launches must not add into res again (y alone is
+    // written, and the real launch below rewrites it).
+    SkinnyArgs plain = a;
+    plain.add = nullptr;
+    plain.res = nullptr;
     p = tune_plan<Fmt>(
-        linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>), a,
-        stream);
+        linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>, active),
+        plain, stream);
     std::lock_guard<std::mutex> lock(mu);
     tuned.emplace(key, p);
   }

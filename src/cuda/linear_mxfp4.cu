@@ -274,7 +274,36 @@ void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t
   shape.groups = g.n_slots, shape.fallback = !tiled_ok;
   check_shape(shape, x, ldx, y, ldy);
   detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots, tiled_ok,
-                                      grouped_args(shape, g, x, ldx, y, ldy, y_fp32), stream);
+                                      grouped_args(shape, g, x, ldx, y, ldy, y_fp32), stream,
+                                      g.expected_active);
+}
+
+bool grouped_glu_supported(const Mxfp4Grouped& g, int64_t K, const float* gu, int64_t ld_gu,
+                           int64_t up) {
+  const auto a16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  return g.max_rows_per_slot >= 1 && g.max_rows_per_slot <= 64 && K % 256 == 0 && gu && a16(gu) &&
+         ld_gu % 4 == 0 && up % 4 == 0 && ld_gu >= up + K;
+}
+
+void linear_mxfp4_grouped_glu(const Mxfp4Grouped& g, const float* gu, int64_t ld_gu, int64_t up,
+                              const GluAct& act, int64_t N, int64_t K, void* y, int64_t ldy,
+                              bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(N >= 1 && K >= 256 && N <= 0x7fffffff && K <= 0x7fffffff && g.n_slots >= 1,
+           "linear_mxfp4_grouped_glu: shape ", N, "x", K, ", ", g.n_slots, " slots");
+  K3_CHECK(grouped_glu_supported(g, K, gu, ld_gu, up),
+           "linear_mxfp4_grouped_glu: needs <= 64 rows per slot, K % 256 == 0 and 16-byte aligned "
+           "fp32 g / u rows");
+  K3_CHECK(y && ldy >= N, "linear_mxfp4_grouped_glu: null y or ldy ", ldy, " below N ", N);
+  LinearPlan shape;
+  shape.weight = LinearWeight::MXFP4, shape.m = g.max_rows_per_slot, shape.n = N, shape.k = K;
+  shape.groups = g.n_slots;
+  detail::SkinnyArgs a = grouped_args(shape, g, nullptr, K, y, ldy, y_fp32);  // x unused
+  a.x_glu = gu;
+  a.ld_glu = ld_gu;
+  a.glu_up = up;
+  a.glu = act;
+  detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots, true, a,
+                                      stream, g.expected_active);
 }
 
 }  // namespace k3::cuda

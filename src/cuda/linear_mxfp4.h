@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cuda/glu.h"
 #include "cuda/linear_plan.h"
 
 namespace k3::cuda {
@@ -37,11 +38,23 @@ struct Mxfp4Grouped {
   // Host bound on rows per slot (e.g. the batch size). <= 64 uses the tiled kernel, which
   // computes at most this many rows of a slot; larger bounds take the generic kernel.
   int max_rows_per_slot = 1;
+  // Slots expected to hold rows, for the tiling (LinearPlan::active_groups); 0: all.
+  int expected_active = 0;
 };
 // x: [*, K] bf16, row stride ldx; y: [rows, N], row stride ldy (device). The expert pointers
 // are not checked on the host: they must meet the alignment above.
 void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t ldx, int64_t N,
                           int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream);
+
+// The same GEMM on x = bf16(glu(g, u)), the activation applied while the kernel stages x (so
+// the expert down-projection needs no separate GLU launch; same bits as cuda::glu then the
+// GEMM): g at gu[row * ld_gu + k] and u at gu[row * ld_gu + up + k], fp32 (device). Tiled
+// kernel only: grouped_glu_supported says whether these operands qualify.
+bool grouped_glu_supported(const Mxfp4Grouped& g, int64_t K, const float* gu, int64_t ld_gu,
+                           int64_t up);
+void linear_mxfp4_grouped_glu(const Mxfp4Grouped& g, const float* gu, int64_t ld_gu, int64_t up,
+                              const GluAct& act, int64_t N, int64_t K, void* y, int64_t ldy,
+                              bool y_fp32, cudaStream_t stream);
 
 // Plans (cached) and candidates, as for linear_bf16; groups = slots (1 for the dense form).
 LinearPlan plan_linear_mxfp4(int m, int64_t n, int64_t k, int groups = 1);

@@ -52,8 +52,9 @@ std::string LinearPlan::str() const {
     return os.str();
   }
   os << "nt" << nt << " mt" << mt << " wn" << wn << " wk" << wk << " ck" << ck << " s" << stages
-     << " grid" << grid_x() * groups << "x" << threads() << " smem" << (smem_bytes + 1023) / 1024
-     << "K";
+     << " grid" << grid_x() * groups << "x" << threads()
+     << (active_groups > 0 && active_groups < groups ? " busy" + std::to_string(active_groups) : "")
+     << " smem" << (smem_bytes + 1023) / 1024 << "K";
   return os.str();
 }
 
@@ -126,10 +127,11 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
   if (regs > 0) occ = std::min(occ, d.regs_per_sm / (threads * ((regs + 7) / 8 * 8)));
   occ = std::min(occ, 32);
   if (occ <= 0) return 1e30;
-  const double grid = static_cast<double>(p.grid_x()) * p.groups;
+  const int busy = p.active_groups > 0 ? std::min(p.active_groups, p.groups) : p.groups;
+  const double grid = static_cast<double>(p.grid_x()) * busy;
   const double conc = static_cast<double>(d.sms) * occ;
   const double waves = std::ceil(grid / conc);
-  const double wbytes = linear_weight_bytes(p.weight, p.n, p.k) * p.groups;
+  const double wbytes = linear_weight_bytes(p.weight, p.n, p.k) * busy;
   const double per_cta = wbytes / grid;
   const double cta_per_sm = std::min<double>(occ, grid / d.sms);  // average over busy SMs
   const double cta_per_sm_max = std::min<double>(occ, std::ceil(grid / d.sms));
@@ -159,7 +161,8 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
 }  // namespace
 
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
-                                          const DeviceLimits& d, const LinearRegs& regs) {
+                                          const DeviceLimits& d, const LinearRegs& regs,
+                                          int active_groups) {
   K3_CHECK(m >= 1 && m <= 64, "linear plan: m = ", m, " (1..64 per launch)");
   K3_CHECK(n >= 1 && k >= 1 && groups >= 1, "linear plan: n ", n, ", k ", k, ", groups ", groups);
   static constexpr int kNt[] = {1, 2, 4, 6, 8};
@@ -182,6 +185,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
             p.n = n;
             p.k = k;
             p.groups = groups;
+            p.active_groups = active_groups;
             p.nt = nt;
             p.mt = mt;
             p.wn = wn;

@@ -35,6 +35,10 @@ struct LinearPlan {
   int m = 0;  // token rows (<= 64 for one launch)
   int64_t n = 0, k = 0;
   int groups = 1;  // grouped (MoE) launches: slots; dense: 1
+  // Grouped: slots expected to hold rows (0: all). The model sizes the tiling for the work of
+  // these (an EP rank at batch 1 has ~1 of its 16 compact slots busy: one expert must then be
+  // spread over the whole GPU); the launch still covers `groups` slots, idle ones exit at once.
+  int active_groups = 0;
   // Knobs.
   bool fallback = false;  // generic kernel: K or alignment the tiled kernel cannot take
   int nt = 1;             // 8-token mma column tiles: m <= 8 * nt (1, 2, 4, 6 or 8)
@@ -72,7 +76,8 @@ using LinearRegs = std::function<int(int nt, int mt)>;
 // Every valid tiled plan for the problem, cheapest model estimate first (empty when only the
 // fallback applies). The best is what the launchers use; the bench times the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
-                                          const DeviceLimits& d, const LinearRegs& regs);
+                                          const DeviceLimits& d, const LinearRegs& regs,
+                                          int active_groups = 0);
 
 // The H200 cold-L2 read bandwidth for a kernel reading `bytes` (h200-ceilings.md: 1/4/8/16/32/
 // 64/128 MB -> 0.8/1.8/2.7/3.1/3.7/4.1/4.2 TB/s, log-linear between, linear below 1 MB).

@@ -25,7 +25,7 @@ void check_router_plan(const RouterPlan& p);
 // bias:    [E] fp32 correction bias, or null (device)
 // ids:     [rows][top_k] int32 expert ids, best first (device)
 // weights: [rows][top_k] fp32 (device)
-// One warp per row, the row's choice scores in shared memory; no allocation, no host sync.
+// One CTA per row, the choice scores in registers; no allocation, no host sync.
 // Non-finite logits are not checked here (cpu::route raises on them).
 void router_topk(const RouterPlan& plan, const float* logits, const float* bias, int64_t rows,
                  int32_t* ids, float* weights, cudaStream_t stream);

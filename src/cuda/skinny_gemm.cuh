@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "cuda/glu_math.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/pdl.cuh"
 
@@ -33,12 +34,37 @@ struct SkinnyArgs {
   const int32_t* row_index = nullptr;     // [rows]: x row of each gathered row, or null (same)
   const __nv_bfloat16* x = nullptr;       // [*, ldx] bf16
   int64_t ldx = 0;
+  // Instead of x (tiled kernel only): x = bf16(glu(g, u)) computed while staging, g at
+  // x_glu[row * ld_glu + k] and u glu_up elements further (fp32, 16-byte aligned rows).
+  const float* x_glu = nullptr;
+  int64_t ld_glu = 0, glu_up = 0;
+  GluAct glu;
   void* y = nullptr;  // [*, ldy] bf16 or fp32
   int64_t ldy = 0;
   int y_fp32 = 0;
+  // bf16 y only, both optional (LinearEpilogue): y = bf16(bf16(acc) + add[.]); then
+  // res[.] = res_copy ? y : bf16(res[.] + y), in place. add / res: [*, ldy] bf16 like y.
+  const __nv_bfloat16* add = nullptr;
+  __nv_bfloat16* res = nullptr;
+  int res_copy = 0;
   int m = 0, n = 0, k = 0;  // m: token rows (dense) / bound per slot (grouped)
   int wn = 1, wk = 1, ck = 1, stages = 4, chunks = 0, x_pitch = 0, x_bytes = 0;
 };
+
+// Output element o of y (and the epilogue's res): the accumulator rounded as the unfused ops
+// round it (the GEMM's bf16 output, then each add in fp32 rounded to bf16).
+__device__ __forceinline__ void store_output(const SkinnyArgs& a, int64_t o, float v) {
+  if (a.y_fp32) {
+    static_cast<float*>(a.y)[o] = v;
+    return;
+  }
+  __nv_bfloat16 y = __float2bfloat16_rn(v);
+  if (a.add) y = __float2bfloat16_rn(__bfloat162float(y) + __bfloat162float(a.add[o]));
+  static_cast<__nv_bfloat16*>(a.y)[o] = y;
+  if (a.res)
+    a.res[o] =
+        a.res_copy ? y : __float2bfloat16_rn(__bfloat162float(a.res[o]) + __bfloat162float(y));
+}
 
 // Index of the 16-byte unit u of a staged x row (MXFP4 reads 4 units 64 B apart per quad:
 // flipping bit 1 on odd 128-byte halves spreads them over all banks).
@@ -117,9 +143,33 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
   // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
   for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
     const int m = i / units, u = i % units;
-    bool valid;
-    const __nv_bfloat16* src = x_src(m, u, valid);
-    uint4 v = valid ? ldg128(src) : make_uint4(0, 0, 0, 0);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (a.x_glu) {  // 8 activations from fp32 g and u, rounded to bf16 as the GLU kernel does
+      const int kk = k_base + u * 8;
+      if (kk < a.k) {
+        const int xr = a.row_index ? a.row_index[off + m] : off + m;
+        const float* gp = a.x_glu + static_cast<int64_t>(xr) * a.ld_glu + kk;
+        const float4 g0 = *reinterpret_cast<const float4*>(gp);
+        const float4 g1 = *reinterpret_cast<const float4*>(gp + 4);
+        const float4 u0 = *reinterpret_cast<const float4*>(gp + a.glu_up);
+        const float4 u1 = *reinterpret_cast<const float4*>(gp + a.glu_up + 4);
+        const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+        const float uv[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+        uint32_t w[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const __nv_bfloat162 h =
+              __floats2bfloat162_rn(glu_apply(a.glu, gv[2 * q], uv[2 * q]),
+                                    glu_apply(a.glu, gv[2 * q + 1], uv[2 * q + 1]));
+          w[q] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        v = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    } else {
+      bool valid;
+      const __nv_bfloat16* src = x_src(m, u, valid);
+      if (valid) v = ldg128(src);
+    }
     if constexpr (Fmt::kXPermute) v = permute_x8(v);
     sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
   }
@@ -174,11 +224,7 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     const int m = idx / bn, r = idx % bn;
     const int row = row0_cta + r;
     if (row >= a.n) return;
-    const int64_t o = static_cast<int64_t>(off + m) * a.ldy + row;
-    if (a.y_fp32)
-      static_cast<float*>(a.y)[o] = v;
-    else
-      static_cast<__nv_bfloat16*>(a.y)[o] = __float2bfloat16_rn(v);
+    store_output(a, static_cast<int64_t>(off + m) * a.ldy + row, v);
   };
   if (a.ck == 1) {  // same thread, same idx as the sum above: no barrier needed
     for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) store(idx, red[idx]);

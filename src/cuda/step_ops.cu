@@ -83,7 +83,8 @@ constexpr int kCombineThreads = 512;  // 8 columns per thread: one pass covers 4
 constexpr int kCombineMaxK = 64;
 
 // acc[e] = sum_j w[j] * y[row_j][c + e] for 8 columns (ascending j, multiply and add rounded
-// separately as on the CPU: no fused multiply-add); row_j = y_pos ? y_pos[r*k + j] : r*k + j.
+// separately as on the CPU: no fused multiply-add); row_j = y_pos ? y_pos[r*k + j] : r*k + j,
+// choices with row_j < 0 (experts held by other ranks) left out.
 __device__ __forceinline__ void combine8(const __nv_bfloat16* y, const int32_t* rows_s,
                                          const float* w_s, int top_k, int64_t width, int64_t c,
                                          bool vec, float (&acc)[8]) {
@@ -92,6 +93,7 @@ __device__ __forceinline__ void combine8(const __nv_bfloat16* y, const int32_t* 
   for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
 #pragma unroll 4
   for (int j = 0; j < top_k; ++j) {
+    if (rows_s[j] < 0) continue;  // another rank's expert (uniform over the CTA: no divergence)
     float v[8];
     load_bf16x8(y + static_cast<int64_t>(rows_s[j]) * width + c, vec && nv == 8, nv, v);
 #pragma unroll

@@ -55,7 +55,8 @@ void mla_cache_append(const __nv_bfloat16* kv, int64_t rows, int width, const in
 //   out[r] = bf16(acc)
 // y: [rows * top_k][width] bf16 expert outputs, row r * top_k + j holding choice j of row r,
 //    or, with y_pos ([rows * top_k] int32, device), at row y_pos[r * top_k + j] (expert-grouped
-//    order); weights: [rows][top_k] fp32; norm_w: [width] fp32 or null; out: [rows][width] bf16.
+//    order; y_pos < 0: the choice's expert is another rank's, left out of this rank's sum);
+//    weights: [rows][top_k] fp32; norm_w: [width] fp32 or null; out: [rows][width] bf16.
 void moe_combine(const __nv_bfloat16* y, const float* weights, int64_t rows, int top_k,
                  int64_t width, const float* norm_w, float eps, __nv_bfloat16* out,
                  cudaStream_t stream, const int32_t* y_pos = nullptr);

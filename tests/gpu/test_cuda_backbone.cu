@@ -43,6 +43,10 @@ namespace {
 // on the same tokens, and its greedy choices must agree about as often. Free-running, the GPU
 // must produce the CPU's greedy tokens while the CPU's top-2 gap is wide (kFreeRunGap).
 constexpr double kLogitRel = 0.02;
+constexpr double kBatchedMaxRel = 0.1;  // max |d| / rms of a batched row's logits vs alone
+// The noise-floor test's absolute allowance: a mean rel L2 this small passes even on a seed whose
+// fp32-vs-bf16 distance happens to be smaller still (seen: 1.75e-2 against a typical 1e-1).
+constexpr double kNoiseAbs = 0.02;
 // Slack on the noise floor: both distances are sums of chaotic trajectories, so one seed in a few
 // has the GPU above the fp32 reference's distance (measured up to 1.4x with packed latent caches,
 // whose block scales turn a one-ulp input change into a requantized block); greedy agreement may
@@ -112,7 +116,7 @@ void greedy_parity(const std::string& preset, int prompt_len,
       "%d/%d; fp32 CPU vs bf16 CPU rel L2 %.2e mean, greedy agree %d/%d; %d near-ties\n",
       preset.c_str(), std::string(cpu::latent_format_name(fmt)).c_str(), steps, sum_gpu / steps,
       worst, agree_gpu, steps, sum_ref32 / steps, agree_ref32, steps, ties);
-  EXPECT_LE(sum_gpu, kNoiseSlack * sum_ref32)
+  EXPECT_LE(sum_gpu, std::max(kNoiseSlack * sum_ref32, kNoiseAbs * steps))
       << preset << ": the GPU is further from the bf16 reference than the fp32 reference is";
   EXPECT_GE(agree_gpu, agree_ref32 - steps / kAgreeSlackDiv) << preset;
 }
@@ -263,12 +267,15 @@ TEST(CudaBackbone, BatchedRowsAndSlotReuse) {
     g.step(slots, toks);
     g.logits_to_host(n, all.data());
   }
+  // Batched GEMMs run other plans (other K splits: bf16 flips that 20 steps amplify), so the
+  // rows agree to rounding, not bits; a row mixed up with another or a wrong slot is O(1) off.
   for (int r = 0; r < n; ++r) {
     const std::vector<float> got(all.begin() + r * V, all.begin() + (r + 1) * V);
     double worst = 0;
     for (size_t v = 0; v < V; ++v)
       worst = std::max(worst, std::fabs(got[v] - alone[r][v]) / rms(alone[r]));
-    EXPECT_LE(worst, kLogitRel) << "row " << r;
+    EXPECT_LE(rel_l2(got, alone[r]), kLogitRel) << "row " << r;
+    EXPECT_LE(worst, kBatchedMaxRel) << "row " << r;
   }
   // Reuse slot 0 (request 1's) for request 2's prompt: equals request 2 alone, bit for bit
   // against a fresh single-row run with the same plans.

@@ -291,15 +291,20 @@ struct Grouping {
   std::vector<int32_t> slot_expert, slot_offsets, row_index, position;
 };
 
-// Host oracle: pairs ordered by expert id, then by pair index (stable); compact packs the
-// active experts into the first slots and leaves the tail empty at the total.
-Grouping group_reference(const std::vector<int32_t>& ids, int top_k, int E, bool compact) {
+// Host oracle: the pairs of local experts [begin, begin + E) ordered by local id, then by pair
+// index (stable); others get position -1. Compact packs the active experts into the first
+// slots and leaves the tail empty at the grouped total.
+Grouping group_reference(const std::vector<int32_t>& ids, int top_k, int begin, int E,
+                         bool compact) {
   const int n = static_cast<int>(ids.size());
+  const auto local = [&](int e) { return e >= begin && e < begin + E; };
   std::vector<int> count(static_cast<size_t>(E), 0);
-  for (int e : ids) ++count[static_cast<size_t>(e)];
+  int grouped = 0;
+  for (int e : ids)
+    if (local(e)) ++count[static_cast<size_t>(e - begin)], ++grouped;
   Grouping g;
   g.slot_expert.assign(static_cast<size_t>(E), -1);
-  g.slot_offsets.assign(static_cast<size_t>(E) + 1, n);
+  g.slot_offsets.assign(static_cast<size_t>(E) + 1, grouped);
   std::vector<int> start(static_cast<size_t>(E));
   int run = 0, active = 0;
   for (int e = 0; e < E; ++e) {
@@ -315,30 +320,37 @@ Grouping group_reference(const std::vector<int32_t>& ids, int top_k, int E, bool
     }
     run += c;
   }
-  g.row_index.assign(static_cast<size_t>(n), -1);
+  g.row_index.assign(static_cast<size_t>(grouped), -1);
   g.position.assign(static_cast<size_t>(n), -1);
   std::vector<int> next = start;
   for (int p = 0; p < n; ++p) {  // ascending p: stable within an expert
-    const int pos = next[static_cast<size_t>(ids[static_cast<size_t>(p)])]++;
+    const int e = ids[static_cast<size_t>(p)];
+    if (!local(e)) continue;
+    const int pos = next[static_cast<size_t>(e - begin)]++;
     g.position[static_cast<size_t>(p)] = pos;
     g.row_index[static_cast<size_t>(pos)] = p / top_k;
   }
   return g;
 }
 
-Grouping group_device(const DeviceBuffer<int32_t>& ids, int64_t rows, int top_k, int E,
-                      bool compact) {
+// The device grouping; row_index is compared over the grouped positions only (the rest is
+// not written).
+Grouping group_device(const DeviceBuffer<int32_t>& ids, int64_t rows, int top_k,
+                      cuda::LocalExperts local, bool compact, size_t grouped) {
   const size_t n = static_cast<size_t>(rows * top_k);
-  DeviceBuffer<int32_t> se(static_cast<size_t>(E)), so(static_cast<size_t>(E) + 1), ri(n), po(n);
+  const size_t E = static_cast<size_t>(local.count);
+  DeviceBuffer<int32_t> se(E), so(E + 1), ri(n), po(n);
   for (auto* b : {&se, &so, &ri, &po}) b->fill_bytes(0x7f);
   if (compact)
-    cuda::moe_group_by_expert_compact(ids.data(), rows, top_k, E, se.data(), so.data(), ri.data(),
-                                      po.data(), nullptr);
+    cuda::moe_group_by_expert_compact(ids.data(), rows, top_k, local, se.data(), so.data(),
+                                      ri.data(), po.data(), nullptr);
   else
-    cuda::moe_group_by_expert(ids.data(), rows, top_k, E, se.data(), so.data(), ri.data(),
+    cuda::moe_group_by_expert(ids.data(), rows, top_k, local, se.data(), so.data(), ri.data(),
                               po.data(), nullptr);
   K3_CUDA_CHECK(cudaDeviceSynchronize());
-  return {cuda::to_host<int32_t>(se), cuda::to_host<int32_t>(so), cuda::to_host<int32_t>(ri),
+  std::vector<int32_t> row_index = cuda::to_host<int32_t>(ri);
+  row_index.resize(grouped);
+  return {cuda::to_host<int32_t>(se), cuda::to_host<int32_t>(so), row_index,
           cuda::to_host<int32_t>(po)};
 }
 
@@ -347,10 +359,18 @@ TEST(CudaMoeDispatch, CompactMatchesReference) {
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const int top_k = 16;
-  for (const int E : {56, 896}) {
+  // (router experts, local range): every expert held, and an EP16 rank's 56 of 896.
+  struct Case {
+    int total;
+    cuda::LocalExperts local;
+  };
+  for (const Case c : {Case{56, {0, 56}}, Case{896, {0, 896}}, Case{896, {112, 56}}}) {
+    const int E = c.total;
     for (const int64_t rows : {int64_t{1}, int64_t{8}, int64_t{64}}) {
       for (const bool skewed : {false, true}) {
-        const std::string what = "E " + std::to_string(E) + " rows " + std::to_string(rows) +
+        const std::string what = "E " + std::to_string(E) + " local [" +
+                                 std::to_string(c.local.begin) + ", +" +
+                                 std::to_string(c.local.count) + ") rows " + std::to_string(rows) +
                                  (skewed ? " skewed" : " uniform");
         SCOPED_TRACE(what);
         // Per row, top_k distinct experts (as the router's top-k); skewed draws them from a
@@ -371,10 +391,12 @@ TEST(CudaMoeDispatch, CompactMatchesReference) {
           }
         }
         const auto dids = cuda::to_device<int32_t>(ids);
-        const Grouping ref = group_reference(ids, top_k, E, true);
-        const Grouping ref_full = group_reference(ids, top_k, E, false);
-        const Grouping got = group_device(dids, rows, top_k, E, true);
-        const Grouping full = group_device(dids, rows, top_k, E, false);
+        const int b = c.local.begin, L = c.local.count;
+        const Grouping ref = group_reference(ids, top_k, b, L, true);
+        const Grouping ref_full = group_reference(ids, top_k, b, L, false);
+        const size_t grouped = ref.row_index.size();
+        const Grouping got = group_device(dids, rows, top_k, c.local, true, grouped);
+        const Grouping full = group_device(dids, rows, top_k, c.local, false, grouped);
 
         EXPECT_EQ(got.slot_expert, ref.slot_expert) << "compact slot_expert";
         EXPECT_EQ(got.slot_offsets, ref.slot_offsets) << "compact slot_offsets";
@@ -385,14 +407,16 @@ TEST(CudaMoeDispatch, CompactMatchesReference) {
         EXPECT_EQ(got.row_index, full.row_index) << "row_index differs from the stock grouping";
         EXPECT_EQ(got.position, full.position) << "position differs from the stock grouping";
 
-        // The slots the grouped GEMM is launched over cover every pair; the rest are empty.
+        // The slots the grouped GEMM is launched over cover every grouped pair; the rest are
+        // empty.
         const int n = static_cast<int>(ids.size());
-        const int slots = std::min(E, n);
+        const int slots = std::min(L, n);
         int active = 0;
-        while (active < E && got.slot_expert[static_cast<size_t>(active)] >= 0) ++active;
+        while (active < L && got.slot_expert[static_cast<size_t>(active)] >= 0) ++active;
         EXPECT_LE(active, slots);
-        EXPECT_EQ(got.slot_offsets[static_cast<size_t>(slots)], n);
-        for (int s = active; s < E; ++s) EXPECT_EQ(got.slot_expert[static_cast<size_t>(s)], -1);
+        EXPECT_EQ(got.slot_offsets[static_cast<size_t>(slots)], static_cast<int>(grouped));
+        for (int s = active; s < L; ++s) EXPECT_EQ(got.slot_expert[static_cast<size_t>(s)], -1);
+        if (L < E) EXPECT_LT(grouped, ids.size()) << "some pairs should be another rank's";
       }
     }
   }

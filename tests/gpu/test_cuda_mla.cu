@@ -297,16 +297,22 @@ TEST(CudaMla, RefusesUnsupportedShapes) {
 
 // ============================== router ==============================
 
-void check_router(int E, int top_k, bool with_bias, bool renormalize) {
+// ties: logits from 5 levels and no bias, so many choice scores are exactly equal and the
+// order falls back to the lower id (no redraw).
+void check_router(int E, int top_k, bool with_bias, bool renormalize, bool ties = false) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
-  const int rows = 37;  // not a multiple of the CTA's 4 warps
+  const int rows = 37;
   std::vector<float> bias;
   if (with_bias) bias = test::random_normal(rng, static_cast<size_t>(E), 0.05f);
   std::vector<float> logits(static_cast<size_t>(rows) * E);
   for (int r = 0; r < rows; ++r) {
     float* lg = &logits[static_cast<size_t>(r) * E];
+    if (ties) {
+      for (int e = 0; e < E; ++e) lg[e] = static_cast<float>(rng.next_u64() % 5) - 2.0f;
+      continue;
+    }
     for (;;) {  // redraw the row until its top_k + 1 choice scores are well separated
       for (int e = 0; e < E; ++e) lg[e] = 2.0f * rng.normal();
       std::vector<float> ch(static_cast<size_t>(E));
@@ -360,9 +366,11 @@ void check_router(int E, int top_k, bool with_bias, bool renormalize) {
 }
 
 TEST(CudaRouter, MatchesCpuRoute) {
-  for (auto [E, k] : {std::pair{896, 16}, std::pair{64, 6}})
+  for (auto [E, k] : {std::pair{896, 16}, std::pair{64, 6}, std::pair{16, 4}, std::pair{8, 8},
+                      std::pair{1024, 32}, std::pair{1000, 17}})
     for (bool bias : {false, true})
       for (bool renorm : {false, true}) check_router(E, k, bias, renorm);
+  for (auto [E, k] : {std::pair{896, 16}, std::pair{40, 32}}) check_router(E, k, false, true, true);
 }
 
 TEST(CudaRouter, RefusesUnsupportedPlans) {

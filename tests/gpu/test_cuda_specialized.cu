@@ -42,7 +42,7 @@ cuda::CudaBackboneOptions spec_options(int rows, bool graphs, std::vector<int> s
   o.capture_sizes = std::move(sizes);
   // The L2 prefetch is off by default; the tests run it so its path stays covered (it reads
   // weights only, so no value may change).
-  o.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
+  o.tuning.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
   return o;
 }
 
@@ -54,11 +54,14 @@ struct PathDistance {
 // Slot 0 runs `first`, slot 1 runs `second_at(step)`; both are fed the stock slot's greedy
 // continuation of a random prompt, as are the bf16 and fp32 CPU references.
 template <class SecondPath>
-PathDistance teacher_forced(const std::string& preset, SecondPath second_at) {
+PathDistance teacher_forced(const std::string& preset, SecondPath second_at,
+                            const cuda::SpecializedTuning* tuning = nullptr) {
   const LoadedModel& m = tiny_model(preset);
   const ModelConfig& cfg = m.config;
   const cpu::CpuBackbone ref = bf16_reference(m), ref32 = fp32_reference(m);
-  cuda::CudaBackbone gpu(cfg, m.weights, spec_options(2, true, {1}));
+  cuda::CudaBackboneOptions o = spec_options(2, true, {1});
+  if (tuning) o.tuning = *tuning;
+  cuda::CudaBackbone gpu(cfg, m.weights, o);
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   cpu::DecodeState st = ref.new_state(), st32 = ref32.new_state();
@@ -136,6 +139,21 @@ TEST(CudaSpecialized, MatchesStockWithinBf16NoiseFloorTiny) {
 TEST(CudaSpecialized, MatchesStockWithinBf16NoiseFloorTinyK31) {
   const auto d = teacher_forced("tiny-k3.1", [](int) { return StepPath::Specialized; });
   expect_within_noise_floor("tiny-k3.1", d);
+}
+
+// The non-default choices of SpecializedTuning compute the same function (the latent
+// down-projection on the side stream, the GLU as its own kernel, the residual adds as kernels).
+TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
+  cuda::SpecializedTuning t;
+  t.latent_beside_router = !t.latent_beside_router;
+  t.glu_in_down_proj = !t.glu_in_down_proj;
+  t.fold_residual_adds = !t.fold_residual_adds;
+  t.pdl = false;
+  for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
+    const auto d = teacher_forced(
+        preset, [](int) { return StepPath::Specialized; }, &t);
+    expect_within_noise_floor(preset, d);
+  }
 }
 
 // One slot alternating the two paths step by step (they share every state tensor) against a

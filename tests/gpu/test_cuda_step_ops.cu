@@ -66,8 +66,12 @@ std::vector<uint16_t> bits_host(const DeviceBuffer<bf16>& d) {
   K3_CUDA_CHECK(cudaDeviceSynchronize());
   return cuda::to_host<uint16_t>(d);
 }
-double f(uint16_t b) { return static_cast<double>(bf16_to_float(b)); }
-double sigmoid64(double x) { return 1.0 / (1.0 + std::exp(-x)); }
+double f(uint16_t b) {
+  return static_cast<double>(bf16_to_float(b));
+}
+double sigmoid64(double x) {
+  return 1.0 / (1.0 + std::exp(-x));
+}
 
 // ============================== embed_rows ==============================
 
@@ -126,7 +130,8 @@ TEST(CudaStepOps, AddBf16MatchesFp32AddAndAliases) {
       cuda::add_bf16(da2.data() + 1, db.data() + 1, n - 1, out.data() + 1, nullptr);
       const std::vector<uint16_t> g = bits_host(out);
       int64_t bad = 0;
-      for (int64_t i = 1; i < n; ++i) bad += g[static_cast<size_t>(i)] != want[static_cast<size_t>(i)];
+      for (int64_t i = 1; i < n; ++i)
+        bad += g[static_cast<size_t>(i)] != want[static_cast<size_t>(i)];
       EXPECT_EQ(bad, 0) << "n " << n << " offset 1";
     }
   }
@@ -246,8 +251,8 @@ void check_append(int width, int page_size, int rows) {
     std::copy_n(kv.begin() + static_cast<int64_t>(r) * width, width,
                 cache.begin() + static_cast<int64_t>((page * page_size + p % page_size) * width));
   }
-  cuda::mla_cache_append(d_kv.data(), rows, width, d_bt.data(), max_pages, d_pos.data(),
-                         page_size, d_cache.data(), nullptr);
+  cuda::mla_cache_append(d_kv.data(), rows, width, d_bt.data(), max_pages, d_pos.data(), page_size,
+                         d_cache.data(), nullptr);
   K3_CUDA_CHECK_LAUNCH();
   EXPECT_TRUE(bits_host(d_cache) == cache) << "width " << width << " page " << page_size;
 }
@@ -260,7 +265,9 @@ TEST(CudaStepOps, MlaCacheAppendWritesOnlyItsSlot) {
 
 // ============================== moe_combine ==============================
 
-void check_combine(int64_t rows, int top_k, int64_t width, bool norm) {
+// ep: the choices sit at shuffled positions (the expert-grouped order) and about a third of
+// them belong to other ranks' experts (position -1), which drop out of the sum.
+void check_combine(int64_t rows, int top_k, int64_t width, bool norm, bool ep = false) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
@@ -269,15 +276,26 @@ void check_combine(int64_t rows, int top_k, int64_t width, bool norm) {
   for (float& x : w) x = rng.uniform(0.05f, 2.5f);
   std::vector<float> nw(static_cast<size_t>(width));
   for (float& x : nw) x = rng.uniform(0.5f, 1.5f);
+  std::vector<int32_t> pos(static_cast<size_t>(rows * top_k));
+  std::iota(pos.begin(), pos.end(), 0);
+  if (ep) {
+    for (size_t i = pos.size() - 1; i > 0; --i)
+      std::swap(pos[i], pos[rng.next_u64() % static_cast<uint64_t>(i + 1)]);
+    for (int32_t& p : pos)
+      if (rng.next_u64() % 3 == 0) p = -1;
+  }
   const float eps = 1e-5f;
   std::vector<double> ref(static_cast<size_t>(rows * width));
   for (int64_t r = 0; r < rows; ++r) {
     double ss = 0;
     for (int64_t c = 0; c < width; ++c) {
       double a = 0;
-      for (int j = 0; j < top_k; ++j)
-        a += static_cast<double>(w[static_cast<size_t>(r * top_k + j)]) *
-             f(y[static_cast<size_t>((r * top_k + j) * width + c)]);
+      for (int j = 0; j < top_k; ++j) {
+        const int32_t p = pos[static_cast<size_t>(r * top_k + j)];
+        if (p >= 0)
+          a += static_cast<double>(w[static_cast<size_t>(r * top_k + j)]) *
+               f(y[static_cast<size_t>(p * width + c)]);
+      }
       ref[static_cast<size_t>(r * width + c)] = a;
       ss += a * a;
     }
@@ -289,14 +307,15 @@ void check_combine(int64_t rows, int top_k, int64_t width, bool norm) {
   auto dy = cuda::to_device<bf16>(y);
   auto dw = cuda::to_device<float>(w);
   auto dnw = cuda::to_device<float>(nw);
+  auto dpos = cuda::to_device<int32_t>(pos);
   DeviceBuffer<bf16> out(ref.size());
   out.fill_bytes(0xff);
   cuda::moe_combine(dy.data(), dw.data(), rows, top_k, width, norm ? dnw.data() : nullptr, eps,
-                    out.data(), nullptr);
+                    out.data(), nullptr, ep ? dpos.data() : nullptr);
   K3_CUDA_CHECK_LAUNCH();
   expect_close(bf16_host(out), ref, norm ? kCombineNorm : kCombine,
                "rows " + std::to_string(rows) + " top_k " + std::to_string(top_k) + " width " +
-                   std::to_string(width) + (norm ? " norm" : ""));
+                   std::to_string(width) + (norm ? " norm" : "") + (ep ? " ep" : ""));
 }
 
 TEST(CudaStepOps, MoeCombine) {
@@ -304,10 +323,12 @@ TEST(CudaStepOps, MoeCombine) {
     check_combine(3, 2, 128, norm);    // tiny
     check_combine(11, 8, 7168, norm);  // K3 width
     check_combine(5, 6, 1000, norm);
+    check_combine(9, 16, 3584, norm, /*ep=*/true);  // grouped order, other ranks' choices out
   }
 }
 
-// ============================== grouped bf16 GEMM / fp32-weight linear ==============================
+// ============================== grouped bf16 GEMM / fp32-weight linear
+// ==============================
 
 void check_grouped(int64_t N, int64_t K, int64_t ldx, int64_t ldy, bool y_fp32) {
   const uint64_t seed = test::test_seed();
@@ -397,8 +418,8 @@ void check_grouped(int64_t N, int64_t K, int64_t ldx, int64_t ldy, bool y_fp32) 
 }
 
 TEST(CudaStepOps, LinearBf16Grouped) {
-  check_grouped(96, 128, 128, 96, false);    // tiny, vector path
-  check_grouped(40, 100, 104, 43, true);     // K % 8 != 0: scalar path, padded strides
+  check_grouped(96, 128, 128, 96, false);      // tiny, vector path
+  check_grouped(40, 100, 104, 43, true);       // K % 8 != 0: scalar path, padded strides
   check_grouped(512, 7168, 7168, 512, false);  // K3-sized expert
   check_grouped(512, 7168, 7168, 520, true);
 }

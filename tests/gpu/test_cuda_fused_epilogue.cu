@@ -1,0 +1,177 @@
+// What the specialized step folds into its GEMMs must give the bits of the separate launches it
+// replaces: the residual adds in a bf16 GEMM's store (LinearEpilogue: o-projection + residual,
+// latent up + shared experts + residual), and the GLU applied while the expert down-projection
+// stages its input. Fresh random inputs per run (the seed is printed; K3_TEST_SEED replays it),
+// tiled and generic kernels.
+#include <gtest/gtest.h>
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/numeric.h"
+#include "core/rng.h"
+#include "cuda/check.h"
+#include "cuda/device_buffer.h"
+#include "cuda/glu.h"
+#include "cuda/linear_bf16.h"
+#include "cuda/linear_mxfp4.h"
+#include "cuda/step_ops.h"
+#include "model/weight_matrix.h"
+#include "test_util.h"
+
+namespace k3 {
+namespace {
+
+using bf16 = __nv_bfloat16;
+using cuda::DeviceBuffer;
+
+std::vector<uint16_t> random_bf16_bits(Rng& rng, size_t n, float scale) {
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = float_to_bf16(rng.normal() * scale);
+  return v;
+}
+
+DeviceBuffer<bf16> upload_bits(const std::vector<uint16_t>& v) {
+  DeviceBuffer<bf16> d(v.size());
+  K3_CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * 2, cudaMemcpyHostToDevice));
+  return d;
+}
+
+std::vector<uint16_t> download_bits(const DeviceBuffer<bf16>& d) {
+  std::vector<uint16_t> v(d.size());
+  K3_CUDA_CHECK(cudaMemcpy(v.data(), d.data(), v.size() * 2, cudaMemcpyDeviceToHost));
+  return v;
+}
+
+// y = x W^T with (add, res) folded in, against linear_bf16 then add_bf16 (then add_bf16 or a
+// copy into res): y and res bit for bit.
+void check_epilogue(Rng& rng, int64_t M, int64_t N, int64_t K, bool with_add, bool with_res,
+                    bool res_copy) {
+  const std::string what = "M" + std::to_string(M) + " N" + std::to_string(N) + " K" +
+                           std::to_string(K) + (with_add ? " add" : "") +
+                           (with_res ? (res_copy ? " res=y" : " res+=y") : "");
+  SCOPED_TRACE(what);
+  const auto x = upload_bits(random_bf16_bits(rng, static_cast<size_t>(M * K), 1.0f));
+  const auto w = upload_bits(
+      random_bf16_bits(rng, static_cast<size_t>(N * K), 1.0f / std::sqrt(static_cast<float>(K))));
+  const auto add_h = random_bf16_bits(rng, static_cast<size_t>(M * N), 1.0f);
+  const auto res_h = random_bf16_bits(rng, static_cast<size_t>(M * N), 2.0f);
+  const auto add = upload_bits(add_h);
+
+  // Reference: the separate launches.
+  DeviceBuffer<bf16> y_ref(static_cast<size_t>(M * N)), res_ref = upload_bits(res_h);
+  cuda::linear_bf16(x.data(), K, w.data(), M, N, K, y_ref.data(), N, false, nullptr);
+  if (with_add) cuda::add_bf16(y_ref.data(), add.data(), M * N, y_ref.data(), nullptr);
+  if (with_res && res_copy)
+    K3_CUDA_CHECK(
+        cudaMemcpy(res_ref.data(), y_ref.data(), y_ref.size() * 2, cudaMemcpyDeviceToDevice));
+  else if (with_res)
+    cuda::add_bf16(res_ref.data(), y_ref.data(), M * N, res_ref.data(), nullptr);
+
+  DeviceBuffer<bf16> y(static_cast<size_t>(M * N)), res = upload_bits(res_h);
+  y.fill_bytes(0xff);
+  cuda::LinearEpilogue epi;
+  epi.add = with_add ? add.data() : nullptr;
+  epi.res = with_res ? res.data() : nullptr;
+  epi.res_copy = res_copy;
+  cuda::linear_bf16(x.data(), K, w.data(), M, N, K, y.data(), N, epi, nullptr);
+  K3_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(download_bits(y), download_bits(y_ref)) << "y";
+  EXPECT_EQ(download_bits(res), download_bits(res_ref)) << "res";
+}
+
+TEST(CudaFusedEpilogue, ResidualAddsEqualTheSeparateAdds) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  // The K3 rank's o-projections and latent up-projection (tiled), and an odd K (generic kernel).
+  for (const auto& [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 7168, 768},
+                                {3, 7168, 3584},
+                                {8, 7168, 768},
+                                {2, 100, 36}})
+    for (const bool with_add : {false, true})
+      for (const bool with_res : {false, true})
+        for (const bool res_copy : {false, true}) {
+          if (!with_res && res_copy) continue;
+          check_epilogue(rng, M, N, K, with_add, with_res, res_copy);
+        }
+}
+
+// The expert down-projection on glu(g, u) computed in the GEMM against cuda::glu into bf16 h
+// and the grouped GEMM on h: bit for bit, over skipped, empty and multi-row slots.
+void check_glu_gemm(Rng& rng, const cuda::GluAct& act, int64_t N, int64_t K) {
+  const std::string what = "glu kind " + std::to_string(static_cast<int>(act.kind)) + " N" +
+                           std::to_string(N) + " K" + std::to_string(K);
+  SCOPED_TRACE(what);
+  const int n_experts = 3;
+  std::vector<std::vector<uint8_t>> packed, scales;
+  std::vector<DeviceBuffer<uint8_t>> dp, ds;
+  std::vector<const uint8_t*> tp, ts;
+  for (int e = 0; e < n_experts; ++e) {
+    const auto f = test::random_normal(rng, static_cast<size_t>(N * K),
+                                       1.0f / std::sqrt(static_cast<float>(K)));
+    packed.emplace_back(static_cast<size_t>(N * K / 2));
+    scales.emplace_back(static_cast<size_t>(N * K / 32));
+    quantize_mxfp4(f.data(), N, K, packed.back().data(), scales.back().data());
+    dp.push_back(cuda::to_device<uint8_t>(packed.back()));
+    ds.push_back(cuda::to_device<uint8_t>(scales.back()));
+    tp.push_back(dp.back().data());
+    ts.push_back(ds.back().data());
+  }
+  const std::vector<int32_t> slot_expert = {2, -1, 0, 1, 0};
+  const std::vector<int32_t> counts = {1, 2, 0, 3, 2};
+  std::vector<int32_t> offsets{0};
+  for (int32_t c : counts) offsets.push_back(offsets.back() + c);
+  const int64_t rows = offsets.back();
+  // g | u side by side per grouped row, as the fused w1|w3 GEMM writes them (fp32).
+  const std::vector<float> gu = test::random_normal(rng, static_cast<size_t>(rows * 2 * K), 2.5f);
+  const auto d_gu = cuda::to_device<float>(gu);
+  const auto d_tp = cuda::to_device<const uint8_t*>(tp);
+  const auto d_ts = cuda::to_device<const uint8_t*>(ts);
+  const auto d_exp = cuda::to_device<int32_t>(slot_expert);
+  const auto d_off = cuda::to_device<int32_t>(offsets);
+  cuda::Mxfp4Grouped g;
+  g.packed = d_tp.data();
+  g.scales = d_ts.data();
+  g.slot_expert = d_exp.data();
+  g.slot_offsets = d_off.data();
+  g.n_slots = static_cast<int>(slot_expert.size());
+  g.max_rows_per_slot = 3;
+  g.expected_active = 1;  // the EP rank's plan: one busy slot spread over the GPU
+
+  DeviceBuffer<bf16> h(static_cast<size_t>(rows * K)), y_ref(static_cast<size_t>(rows * N));
+  DeviceBuffer<bf16> y(static_cast<size_t>(rows * N));
+  y_ref.fill_bytes(0xff);
+  y.fill_bytes(0xff);
+  cuda::glu(act, d_gu.data(), 2 * K, d_gu.data() + K, 2 * K, rows, K, h.data(), K, nullptr);
+  cuda::linear_mxfp4_grouped(g, h.data(), K, N, K, y_ref.data(), N, false, nullptr);
+  ASSERT_TRUE(cuda::grouped_glu_supported(g, K, d_gu.data(), 2 * K, K));
+  cuda::linear_mxfp4_grouped_glu(g, d_gu.data(), 2 * K, K, act, N, K, y.data(), N, false, nullptr);
+  K3_CUDA_CHECK(cudaDeviceSynchronize());
+  // Rows of the skipped slot stay poisoned in both.
+  EXPECT_EQ(download_bits(y), download_bits(y_ref));
+  EXPECT_FALSE(cuda::grouped_glu_supported(g, 96, d_gu.data(), 2 * K, K)) << "K % 256 != 0";
+  EXPECT_FALSE(cuda::grouped_glu_supported(g, K, d_gu.data() + 1, 2 * K, K)) << "misaligned";
+}
+
+TEST(CudaFusedGlu, ExpertDownWithGluEqualsGluThenGemm) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  cuda::GluAct situ{cuda::GluAct::Kind::SiTU, 4.0f, true, 25.0f};
+  cuda::GluAct situ_nolin{cuda::GluAct::Kind::SiTU, 3.0f, false, 0.0f};
+  cuda::GluAct silu;
+  for (const cuda::GluAct& act : {situ, situ_nolin, silu}) {
+    check_glu_gemm(rng, act, 3584, 3072);  // K3's expert down-projection
+    check_glu_gemm(rng, act, 200, 512);
+  }
+}
+
+}  // namespace
+}  // namespace k3
