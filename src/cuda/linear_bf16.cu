@@ -16,6 +16,7 @@ namespace {
 struct Bf16Format {
   static constexpr int kChunk = 64;
   static constexpr bool kXPermute = false;
+  static constexpr bool kGluInput = false;
   static constexpr __host__ __device__ int stage_bytes(int mt) { return 2048 * mt; }
   static constexpr __host__ __device__ int max_threads(int nt, int mt) {
     return nt * mt >= 8 ? 256 : 512;

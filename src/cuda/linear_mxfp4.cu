@@ -33,6 +33,7 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 struct Mxfp4Format {
   static constexpr int kChunk = 256;
   static constexpr bool kXPermute = true;
+  static constexpr bool kGluInput = false;
   // 4*MT packed pieces x 32 lanes x 16 B, then 2*MT rows x 32 lanes x 8 scale bytes.
   static constexpr __host__ __device__ int stage_bytes(int mt) { return 2560 * mt; }
   static constexpr __host__ __device__ int max_threads(int nt, int mt) {
@@ -156,10 +157,17 @@ struct Mxfp4Format {
   }
 };
 
+// The same weights with x staged from glu(g, u) (SkinnyArgs::x_glu): its own kernel
+// instantiations, so the plain GEMMs carry no activation code.
+struct Mxfp4GluFormat : Mxfp4Format {
+  static constexpr bool kGluInput = true;
+};
+
 }  // namespace
 }  // namespace detail
 
 using detail::Mxfp4Format;
+using detail::Mxfp4GluFormat;
 
 LinearPlan plan_linear_mxfp4(int m, int64_t n, int64_t k, int groups) {
   return detail::best_plan<Mxfp4Format>(LinearWeight::MXFP4, m, n, k, groups);
@@ -302,8 +310,8 @@ void linear_mxfp4_grouped_glu(const Mxfp4Grouped& g, const float* gu, int64_t ld
   a.ld_glu = ld_gu;
   a.glu_up = up;
   a.glu = act;
-  detail::launch_planned<Mxfp4Format>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots, true, a,
-                                      stream, g.expected_active);
+  detail::launch_planned<Mxfp4GluFormat>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots,
+                                         true, a, stream, g.expected_active);
 }
 
 }  // namespace k3::cuda

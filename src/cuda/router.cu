@@ -2,8 +2,8 @@
 // max value, then min id among its holders). Phase 1: each warp picks the top_k of its strided
 // eighth of the experts, held 4 per lane in registers; phase 2: warp 0 picks the
 // top_k of the 8 x top_k candidates (the global top_k are among them). A round rescans only the
-// winner lane's registers, so 2 x top_k rounds of ~100 cycles replace the one-warp scan of E /
-// 32 values per round (30 us -> a few us for E = 896 at batch 1).
+// winner lane's registers, so 2 x top_k short rounds replace one warp rescanning E / 32 values
+// from shared memory per round (measured: the 93-layer rank's router stage 5.6 -> 4.1 ms).
 #include "cuda/router.h"
 
 #include <cmath>

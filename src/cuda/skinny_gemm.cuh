@@ -5,7 +5,7 @@
 // may visit k in any order, so each thread keeps the 16-byte pieces of W it loaded in memory
 // order and the kernel reads x with the same permutation: no shuffles between the coalesced
 // global loads and the fragments. A format supplies (see Bf16Format / Mxfp4Format):
-//   kChunk, kStageBytes(MT), kXPermute,
+//   kChunk, kStageBytes(MT), kXPermute, kGluInput (x staged from SkinnyArgs::x_glu),
 //   load_chunk<MT>(slot, W, Ws, N, K, row0, chunk, lane)   cp.async of one chunk for one warp
 //   compute_chunk<NT, MT>(acc, slot, xs, pitch, kloc, lane, mx)
 #pragma once
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
   for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
     const int m = i / units, u = i % units;
     uint4 v = make_uint4(0, 0, 0, 0);
-    if (a.x_glu) {  // 8 activations from fp32 g and u, rounded to bf16 as the GLU kernel does
+    if constexpr (Fmt::kGluInput) {  // 8 activations from fp32 g and u, rounded as cuda::glu
       const int kk = k_base + u * 8;
       if (kk < a.k) {
         const int xr = a.row_index ? a.row_index[off + m] : off + m;
