@@ -149,14 +149,23 @@ bool finite_logits(cuda::CudaBackbone& bb, int rows, size_t V) {
   return std::all_of(logits.begin(), logits.end(), [](float v) { return std::isfinite(v); });
 }
 
-// Logits of the two paths on the same state and tokens: rel L2 (the speed numbers' check).
+// Logits of the two paths on the same state and tokens: rel L2 (the speed numbers' check). The
+// KDA state is saved before the stock step and restored before the specialized one
+// (assume_context refills the caches and positions only).
 double paths_rel_l2(cuda::CudaBackbone& bb, int rows, int64_t ctx, size_t V,
                     const std::vector<int32_t>& slots, const std::vector<int32_t>& toks) {
   std::vector<float> a(V * rows), b(V * rows);
-  for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+  bb.reserve_snapshots(1);
+  for (int r = 0; r < rows; ++r) {
+    bb.assume_context(r, ctx);
+    bb.save_kda(r, 0);
+  }
   bb.step(slots, toks, cuda::StepPath::Stock);
   bb.logits_to_host(rows, a.data());
-  for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+  for (int r = 0; r < rows; ++r) {
+    bb.assume_context(r, ctx);
+    bb.restore_kda(r, 0);
+  }
   bb.step(slots, toks, cuda::StepPath::Specialized);
   bb.logits_to_host(rows, b.data());
   double num = 0, den = 0;
