@@ -37,21 +37,32 @@ int expected_active_experts(int local, int E, int top_k, int64_t rows, int slots
   return std::clamp(want, 1, std::max(1, slots));
 }
 
+namespace {
+
+// The MXFP4 grouped-GEMM arguments of expert tables w / scales over the groups.
+Mxfp4Grouped mxfp4_groups(const void* const* w, const uint8_t* const* scales,
+                          const ExpertGroups& eg, const int32_t* row_index) {
+  Mxfp4Grouped g;
+  g.packed = reinterpret_cast<const uint8_t* const*>(w);
+  g.scales = scales;
+  g.slot_expert = eg.slot_expert;
+  g.slot_offsets = eg.offsets;
+  g.row_index = row_index;
+  g.n_slots = eg.n_slots;
+  g.max_rows_per_slot = eg.max_rows;
+  g.expected_active = eg.expected_active;
+  return g;
+}
+
+}  // namespace
+
 void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const* scales,
                    const ExpertGroups& eg, bool gather, const __nv_bfloat16* x, int64_t ldx,
                    int64_t N, int64_t K, void* y, bool y_fp32, cudaStream_t stream) {
   const int32_t* row_index = gather ? eg.row_index : nullptr;
   if (fmt == WeightFormat::MXFP4) {
-    Mxfp4Grouped g;
-    g.packed = reinterpret_cast<const uint8_t* const*>(w);
-    g.scales = scales;
-    g.slot_expert = eg.slot_expert;
-    g.slot_offsets = eg.offsets;
-    g.row_index = row_index;
-    g.n_slots = eg.n_slots;
-    g.max_rows_per_slot = eg.max_rows;
-    g.expected_active = eg.expected_active;
-    linear_mxfp4_grouped(g, x, ldx, N, K, y, N, y_fp32, stream);
+    linear_mxfp4_grouped(mxfp4_groups(w, scales, eg, row_index), x, ldx, N, K, y, N, y_fp32,
+                         stream);
   } else {
     Bf16Grouped g;
     g.w = reinterpret_cast<const __nv_bfloat16* const*>(w);
@@ -66,14 +77,7 @@ void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const*
 bool expert_down_glu(const DevMoe& m, const ExpertGroups& eg, const GluAct& act, const float* gu,
                      int64_t ld_gu, int64_t up, __nv_bfloat16* y, cudaStream_t stream) {
   if (m.expert_format != WeightFormat::MXFP4) return false;
-  Mxfp4Grouped g;
-  g.packed = reinterpret_cast<const uint8_t* const*>(m.w2);
-  g.scales = m.w2_scales;
-  g.slot_expert = eg.slot_expert;
-  g.slot_offsets = eg.offsets;
-  g.n_slots = eg.n_slots;
-  g.max_rows_per_slot = eg.max_rows;
-  g.expected_active = eg.expected_active;
+  const Mxfp4Grouped g = mxfp4_groups(m.w2, m.w2_scales, eg, nullptr);
   if (!grouped_glu_supported(g, m.inter, gu, ld_gu, up)) return false;
   linear_mxfp4_grouped_glu(g, gu, ld_gu, up, act, m.io, m.inter, y, m.io, false, stream);
   return true;

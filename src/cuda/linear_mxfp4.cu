@@ -288,9 +288,8 @@ void linear_mxfp4_grouped(const Mxfp4Grouped& g, const __nv_bfloat16* x, int64_t
 
 bool grouped_glu_supported(const Mxfp4Grouped& g, int64_t K, const float* gu, int64_t ld_gu,
                            int64_t up) {
-  const auto a16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
-  return g.max_rows_per_slot >= 1 && g.max_rows_per_slot <= 64 && K % 256 == 0 && gu && a16(gu) &&
-         ld_gu % 4 == 0 && up % 4 == 0 && ld_gu >= up + K;
+  return g.max_rows_per_slot >= 1 && g.max_rows_per_slot <= 64 && K % 256 == 0 && gu &&
+         detail::aligned16(gu) && ld_gu % 4 == 0 && up % 4 == 0 && ld_gu >= up + K;
 }
 
 void linear_mxfp4_grouped_glu(const Mxfp4Grouped& g, const float* gu, int64_t ld_gu, int64_t up,
@@ -310,8 +309,8 @@ void linear_mxfp4_grouped_glu(const Mxfp4Grouped& g, const float* gu, int64_t ld
   a.ld_glu = ld_gu;
   a.glu_up = up;
   a.glu = act;
-  detail::launch_planned<Mxfp4GluFormat>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots,
-                                         true, a, stream, g.expected_active);
+  detail::launch_planned<Mxfp4GluFormat>(LinearWeight::MXFP4, g.max_rows_per_slot, g.n_slots, true,
+                                         a, stream, g.expected_active);
 }
 
 }  // namespace k3::cuda

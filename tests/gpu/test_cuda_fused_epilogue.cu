@@ -10,12 +10,10 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
 
-#include "core/numeric.h"
 #include "core/rng.h"
 #include "cuda/check.h"
 #include "cuda/device_buffer.h"
@@ -32,24 +30,6 @@ namespace {
 using bf16 = __nv_bfloat16;
 using cuda::DeviceBuffer;
 
-std::vector<uint16_t> random_bf16_bits(Rng& rng, size_t n, float scale) {
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = float_to_bf16(rng.normal() * scale);
-  return v;
-}
-
-DeviceBuffer<bf16> upload_bits(const std::vector<uint16_t>& v) {
-  DeviceBuffer<bf16> d(v.size());
-  K3_CUDA_CHECK(cudaMemcpy(d.data(), v.data(), v.size() * 2, cudaMemcpyHostToDevice));
-  return d;
-}
-
-std::vector<uint16_t> download_bits(const DeviceBuffer<bf16>& d) {
-  std::vector<uint16_t> v(d.size());
-  K3_CUDA_CHECK(cudaMemcpy(v.data(), d.data(), v.size() * 2, cudaMemcpyDeviceToHost));
-  return v;
-}
-
 // y = x W^T with (add, res) folded in, against linear_bf16 then add_bf16 (then add_bf16 or a
 // copy into res): y and res bit for bit.
 void check_epilogue(Rng& rng, int64_t M, int64_t N, int64_t K, bool with_add, bool with_res,
@@ -58,15 +38,15 @@ void check_epilogue(Rng& rng, int64_t M, int64_t N, int64_t K, bool with_add, bo
                            std::to_string(K) + (with_add ? " add" : "") +
                            (with_res ? (res_copy ? " res=y" : " res+=y") : "");
   SCOPED_TRACE(what);
-  const auto x = upload_bits(random_bf16_bits(rng, static_cast<size_t>(M * K), 1.0f));
-  const auto w = upload_bits(
-      random_bf16_bits(rng, static_cast<size_t>(N * K), 1.0f / std::sqrt(static_cast<float>(K))));
-  const auto add_h = random_bf16_bits(rng, static_cast<size_t>(M * N), 1.0f);
-  const auto res_h = random_bf16_bits(rng, static_cast<size_t>(M * N), 2.0f);
-  const auto add = upload_bits(add_h);
+  const auto x = cuda::to_device<bf16>(test::random_bf16(rng, static_cast<size_t>(M * K), 1.0f));
+  const auto w = cuda::to_device<bf16>(
+      test::random_bf16(rng, static_cast<size_t>(N * K), 1.0f / std::sqrt(static_cast<float>(K))));
+  const auto add_h = test::random_bf16(rng, static_cast<size_t>(M * N), 1.0f);
+  const auto res_h = test::random_bf16(rng, static_cast<size_t>(M * N), 2.0f);
+  const auto add = cuda::to_device<bf16>(add_h);
 
   // Reference: the separate launches.
-  DeviceBuffer<bf16> y_ref(static_cast<size_t>(M * N)), res_ref = upload_bits(res_h);
+  DeviceBuffer<bf16> y_ref(static_cast<size_t>(M * N)), res_ref = cuda::to_device<bf16>(res_h);
   cuda::linear_bf16(x.data(), K, w.data(), M, N, K, y_ref.data(), N, false, nullptr);
   if (with_add) cuda::add_bf16(y_ref.data(), add.data(), M * N, y_ref.data(), nullptr);
   if (with_res && res_copy)
@@ -75,7 +55,7 @@ void check_epilogue(Rng& rng, int64_t M, int64_t N, int64_t K, bool with_add, bo
   else if (with_res)
     cuda::add_bf16(res_ref.data(), y_ref.data(), M * N, res_ref.data(), nullptr);
 
-  DeviceBuffer<bf16> y(static_cast<size_t>(M * N)), res = upload_bits(res_h);
+  DeviceBuffer<bf16> y(static_cast<size_t>(M * N)), res = cuda::to_device<bf16>(res_h);
   y.fill_bytes(0xff);
   cuda::LinearEpilogue epi;
   epi.add = with_add ? add.data() : nullptr;
@@ -83,8 +63,8 @@ void check_epilogue(Rng& rng, int64_t M, int64_t N, int64_t K, bool with_add, bo
   epi.res_copy = res_copy;
   cuda::linear_bf16(x.data(), K, w.data(), M, N, K, y.data(), N, epi, nullptr);
   K3_CUDA_CHECK(cudaDeviceSynchronize());
-  EXPECT_EQ(download_bits(y), download_bits(y_ref)) << "y";
-  EXPECT_EQ(download_bits(res), download_bits(res_ref)) << "res";
+  EXPECT_EQ(cuda::to_host<uint16_t>(y), cuda::to_host<uint16_t>(y_ref)) << "y";
+  EXPECT_EQ(cuda::to_host<uint16_t>(res), cuda::to_host<uint16_t>(res_ref)) << "res";
 }
 
 TEST(CudaFusedEpilogue, ResidualAddsEqualTheSeparateAdds) {
@@ -156,7 +136,7 @@ void check_glu_gemm(Rng& rng, const cuda::GluAct& act, int64_t N, int64_t K) {
   cuda::linear_mxfp4_grouped_glu(g, d_gu.data(), 2 * K, K, act, N, K, y.data(), N, false, nullptr);
   K3_CUDA_CHECK(cudaDeviceSynchronize());
   // Rows of the skipped slot stay poisoned in both.
-  EXPECT_EQ(download_bits(y), download_bits(y_ref));
+  EXPECT_EQ(cuda::to_host<uint16_t>(y), cuda::to_host<uint16_t>(y_ref));
   EXPECT_FALSE(cuda::grouped_glu_supported(g, 96, d_gu.data(), 2 * K, K)) << "K % 256 != 0";
   EXPECT_FALSE(cuda::grouped_glu_supported(g, K, d_gu.data() + 1, 2 * K, K)) << "misaligned";
 }
