@@ -13,6 +13,7 @@
 // same kind (KDA / MLA, dense / MoE), each uploaded to its own device memory, so every layer
 // streams its own weights as a real rank does.
 // Context: every row's cache is made --context long (deterministic synthetic latents).
+// Verify: --verify-q (default 2,4,8) times one request's q tokens as one step at batch 1.
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
 // Floor: bytes the step must read (every weight of the layers' attention, router, latent and
@@ -56,6 +57,7 @@ struct Args {
   std::vector<std::string> paths = {"stock", "specialized"};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int64_t> contexts = {1024, 32768};
+  std::vector<int> verify_q = {2, 4, 8};  // speculative verify rows at batch 1 (empty: none)
   std::string dir;
 };
 
@@ -105,6 +107,11 @@ Args parse(int argc, char** argv) {
       a.batches.clear();
       for (int64_t b : parse_list(v)) a.batches.push_back(static_cast<int>(b));
       ++i;
+    } else if (k == "--verify-q") {
+      a.verify_q.clear();
+      for (int64_t q : parse_list(v))
+        if (q > 1) a.verify_q.push_back(static_cast<int>(q));
+      ++i;
     } else if (k == "--context")
       a.contexts = parse_list(v), ++i;
     else
@@ -121,17 +128,17 @@ double median_ms(std::vector<double> v) {
 // Median over replays of one step of `path`, L2 flushed before each, events around the step.
 double time_step(cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
                  const std::vector<int32_t>& toks, cuda::StepPath path, int replays,
-                 cuda::DeviceBuffer<uint8_t>& flush) {
+                 cuda::DeviceBuffer<uint8_t>& flush, bool keep_kda = false) {
   cudaEvent_t e0, e1;
   K3_CUDA_CHECK(cudaEventCreate(&e0));
   K3_CUDA_CHECK(cudaEventCreate(&e1));
-  bb.step(slots, toks, path);  // eager on first use (attributes, plans) or replay
-  bb.step(slots, toks, path);  // captured
+  bb.step(slots, toks, path, keep_kda);  // eager on first use (attributes, plans) or replay
+  bb.step(slots, toks, path, keep_kda);  // captured
   std::vector<double> ms;
   for (int i = 0; i < replays; ++i) {
     flush.fill_bytes(i & 0xff, bb.stream());
     K3_CUDA_CHECK(cudaEventRecord(e0, bb.stream()));
-    bb.step(slots, toks, path);
+    bb.step(slots, toks, path, keep_kda);
     K3_CUDA_CHECK(cudaEventRecord(e1, bb.stream()));
     K3_CUDA_CHECK(cudaEventSynchronize(e1));
     float t = 0;
@@ -176,6 +183,67 @@ double paths_rel_l2(cuda::CudaBackbone& bb, int rows, int64_t ctx, size_t V,
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// Speculative verify at batch 1: one request's q tokens as one run of rows (keeping the KDA
+// state after each token, as a verify does), against the q = 1 step, on both paths, at the
+// first context. The floor counts the weights q rows touch and the request's cache once.
+struct VerifyRow {
+  int q;
+  double stock = 0, spec = 0, floor_ms = 0;
+};
+
+std::vector<VerifyRow> time_verify(const Args& a, cuda::CudaBackbone& bb, const ModelConfig& cfg,
+                                   const bench::Floor& fl, int64_t margin,
+                                   cuda::DeviceBuffer<uint8_t>& flush) {
+  std::vector<VerifyRow> out;
+  if (a.verify_q.empty()) return out;
+  const int64_t ctx = a.contexts.front();
+  cuda::SlotPoolShape shape;
+  shape.slots = 1;
+  shape.max_context = ctx + margin;
+  shape.page_size = bb.pool().page_size();
+  shape.recurrent = bb.pool().recurrent_dtype();
+  shape.latent = bb.pool().latent_format();
+  bb.rebind_cache(shape);
+  const int max_q = *std::max_element(a.verify_q.begin(), a.verify_q.end());
+  bb.reserve_snapshots(max_q - 1);
+  std::vector<int> qs = {1};
+  qs.insert(qs.end(), a.verify_q.begin(), a.verify_q.end());
+  const size_t V = static_cast<size_t>(cfg.vocab_size);
+  for (const int q : qs) {
+    VerifyRow row{q};
+    // Rows of one request: its cache is read once, its experts are those q rows pick.
+    row.floor_ms = (bench::floor_bytes(fl, cfg, q, ctx) -
+                    (q - 1) * (bench::floor_bytes(fl, cfg, 1, ctx) -
+                               bench::floor_bytes(fl, cfg, 1, 0))) /
+                   (kPeakTBps * 1e12) * 1e3;
+    const std::vector<int32_t> slots(static_cast<size_t>(q), 0);
+    std::vector<int32_t> toks(static_cast<size_t>(q));
+    for (int r = 0; r < q; ++r)
+      toks[static_cast<size_t>(r)] = static_cast<int32_t>((r * 7919 + 17) % cfg.vocab_size);
+    for (const auto& name : a.paths) {
+      const cuda::StepPath path =
+          name == "specialized" ? cuda::StepPath::Specialized : cuda::StepPath::Stock;
+      bb.assume_context(0, ctx);
+      const double med = time_step(bb, slots, toks, path, a.replays, flush, /*keep_kda=*/true);
+      if (!finite_logits(bb, q, V)) fail("verify q = ", q, ": non-finite logits");
+      (path == cuda::StepPath::Stock ? row.stock : row.spec) = med;
+    }
+    out.push_back(row);
+  }
+  return out;
+}
+
+void print_verify(const std::vector<VerifyRow>& rows) {
+  if (rows.empty()) return;
+  std::printf("\n======== speculative verify, batch 1, q rows of one request ========\n");
+  std::printf("%4s %10s %10s %10s %12s %12s\n", "q", "stock ms", "spec ms", "floor ms",
+              "stock/q=1", "spec/q=1");
+  for (const VerifyRow& r : rows)
+    std::printf("%4d %10.3f %10.3f %10.3f %11.2fx %11.2fx\n", r.q, r.stock, r.spec, r.floor_ms,
+                rows[0].stock > 0 ? r.stock / rows[0].stock : 0.0,
+                rows[0].spec > 0 ? r.spec / rows[0].spec : 0.0);
+}
+
 int run(const Args& a) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -203,18 +271,23 @@ int run(const Args& a) {
   const ModelWeights weights =
       bench::rank_weights(model->weights, cfg, shape_of_rank, rank_storage);
   const auto t1 = std::chrono::steady_clock::now();
-  const int max_rows = *std::max_element(a.batches.begin(), a.batches.end());
+  const int max_q =
+      a.verify_q.empty() ? 1 : *std::max_element(a.verify_q.begin(), a.verify_q.end());
+  const int max_batch = *std::max_element(a.batches.begin(), a.batches.end());
+  const int max_rows = std::max(max_batch, max_q);
   const int64_t max_ctx = *std::max_element(a.contexts.begin(), a.contexts.end());
   const bool want_spec = std::find(a.paths.begin(), a.paths.end(), "specialized") != a.paths.end();
   const bool want_stock = std::find(a.paths.begin(), a.paths.end(), "stock") != a.paths.end();
-  const int64_t margin = 4 * a.replays + 64;
+  // Positions advance by the rows of a slot every replay (time_step: replays + 2 steps).
+  const int64_t margin = std::max(4, max_q) * (a.replays + 8) + 64;
   cuda::CudaBackboneOptions o;
   o.stub_collectives = true;
   o.max_rows = max_rows;
-  o.pool.slots = max_rows;
+  o.pool.slots = max_batch;
   o.pool.max_context = std::min<int64_t>(a.contexts.front(), max_ctx) + margin;
   if (want_spec) {
     o.capture_sizes = a.batches;
+    o.capture_sizes.insert(o.capture_sizes.end(), a.verify_q.begin(), a.verify_q.end());
     std::sort(o.capture_sizes.begin(), o.capture_sizes.end());
     o.capture_sizes.erase(std::unique(o.capture_sizes.begin(), o.capture_sizes.end()),
                           o.capture_sizes.end());
@@ -255,7 +328,7 @@ int run(const Args& a) {
     // The bound pool is freed before the new one is made: count it at its own context.
     const double bound = bb.pool().slots() * slot_bytes(bb.pool().max_context());
     const double have = static_cast<double>(free_b) + bound - 4e9;
-    shape.slots = static_cast<int>(std::min<double>(max_rows, std::floor(have / per_slot)));
+    shape.slots = static_cast<int>(std::min<double>(max_batch, std::floor(have / per_slot)));
     if (shape.slots < 1) {
       std::printf("context %lld: no slot fits in memory, skipped\n", static_cast<long long>(ctx));
       continue;
@@ -341,6 +414,7 @@ int run(const Args& a) {
       table.push_back(row);
     }
   }
+  const std::vector<VerifyRow> verify = time_verify(a, bb, cfg, fl, margin, flush);
   for (const auto& p : profiles) std::printf("%s\n", p.c_str());
   std::printf("\n================ summary (%d layers) ================\n", cfg.num_hidden_layers);
   std::printf("%6s %8s %10s %10s %10s %9s %9s %10s %9s\n", "batch", "context", "stock ms",
@@ -350,6 +424,7 @@ int run(const Args& a) {
                 static_cast<long long>(r.ctx), r.stock, r.spec, r.floor_ms,
                 r.spec > 0 ? r.spec / r.floor_ms : 0.0, r.spec > 0 ? r.stock / r.spec : 0.0, r.rel,
                 bench::expected_local_experts(fl, cfg, r.rows));
+  print_verify(verify);
   return 0;
 }
 

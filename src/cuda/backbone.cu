@@ -21,8 +21,6 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
                            const CudaBackboneOptions& opt)
     : cfg_(cfg), opt_(opt) {
   K3_CHECK(opt.max_rows >= 1, "max_rows must be >= 1, got ", opt.max_rows);
-  K3_CHECK(opt.pool.slots >= opt.max_rows, "a step's rows need distinct slots: ", opt.pool.slots,
-           " slots cannot hold ", opt.max_rows, " rows");
   check_cuda_support(cfg, w);
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
@@ -30,7 +28,7 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_copied_, cudaEventDisableTiming));
   K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_in_),
-                               2 * static_cast<size_t>(opt.max_rows) * sizeof(int32_t)));
+                               (2 * static_cast<size_t>(opt.max_rows) + 1) * sizeof(int32_t)));
   weights_ = std::make_unique<DeviceWeights>(cfg, w);
   for (size_t l = 0; l < weights_->layers.size(); ++l) {
     const DevMoe& m = weights_->layers[l].moe_w;
@@ -52,14 +50,17 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
 
 void CudaBackbone::capture_specialized() {
   if (opt_.capture_sizes.empty() || !opt_.use_graphs) return;
-  // Warm-up steps (kernel attributes, plans) and captures run on slots 0..n-1, which are reset
-  // afterwards: no request exists yet.
+  // Warm-up steps (kernel attributes, plans) and captures run on the first slots, which are
+  // reset afterwards: no request exists yet. With fewer slots than rows, rows share slots in
+  // runs (as a verify's do).
   std::vector<int32_t> slots, tokens;
+  const int S = pool_->slots();
   for (const int n : opt_.capture_sizes) {
     slots.resize(static_cast<size_t>(n));
     tokens.resize(static_cast<size_t>(n));
+    const int per_slot = (n + S - 1) / S;
     for (int r = 0; r < n; ++r) {
-      slots[static_cast<size_t>(r)] = r;
+      slots[static_cast<size_t>(r)] = r / per_slot;
       // Spread tokens: the warm-up step also times the GEMM plans (linear_launch.cuh), and the
       // grouped expert GEMMs should see a routing like a real batch's, not one token's.
       tokens[static_cast<size_t>(r)] =
@@ -68,8 +69,17 @@ void CudaBackbone::capture_specialized() {
     step(slots, tokens, StepPath::Specialized);  // eager
     step(slots, tokens, StepPath::Specialized);  // captured
   }
-  for (int r = 0; r < opt_.capture_sizes.back(); ++r) reset_slot(r);
+  for (int r = 0; r < std::min(S, opt_.capture_sizes.back()); ++r) reset_slot(r);
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackbone::reserve_snapshots(int n) {
+  if (n <= pool_->snapshots()) return;
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // The KDA kernels of the captured graphs point at the old copies.
+  for (auto& [key, exec] : graphs_) K3_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  graphs_.clear();
+  pool_->reserve_snapshots(n);
 }
 
 void CudaBackbone::set_specialized_tuning(const SpecializedTuning& t) {
@@ -89,8 +99,7 @@ void CudaBackbone::set_specialized_tuning(const SpecializedTuning& t) {
 void CudaBackbone::rebind_cache(const SlotPoolShape& shape) {
   K3_CHECK(shape.slots >= 1, "rebind_cache: at least one slot");
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  while (!opt_.capture_sizes.empty() && opt_.capture_sizes.back() > shape.slots)
-    opt_.capture_sizes.pop_back();
+  const int snapshots = pool_->snapshots();
   for (auto& [key, exec] : graphs_) K3_CUDA_CHECK(cudaGraphExecDestroy(exec));
   graphs_.clear();
   ran_eager_.clear();
@@ -99,6 +108,7 @@ void CudaBackbone::rebind_cache(const SlotPoolShape& shape) {
   buf_.reset();
   pool_.reset();
   bind_pool();
+  pool_->reserve_snapshots(snapshots);
   capture_specialized();
 }
 
@@ -168,25 +178,34 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows) {
 }
 
 void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
-                        StepPath path) {
+                        StepPath path, bool keep_kda_states) {
   const int64_t rows = static_cast<int64_t>(slots.size());
-  K3_CHECK(rows >= 1 && rows <= opt_.max_rows && rows <= pool_->slots(), "a step takes 1..",
-           std::min<int64_t>(opt_.max_rows, pool_->slots()), " rows, got ", rows);
+  K3_CHECK(rows >= 1 && rows <= opt_.max_rows, "a step takes 1..", opt_.max_rows, " rows, got ",
+           rows);
   K3_CHECK(tokens.size() == slots.size(), "step: ", slots.size(), " slots but ", tokens.size(),
            " tokens");
   K3_CHECK(path == StepPath::Stock || rows <= max_capture_rows(), "a specialized step takes 1..",
            max_capture_rows(), " rows (the largest capture size), got ", rows);
-  std::vector<bool> used(static_cast<size_t>(pool_->slots()), false);
-  for (int64_t r = 0; r < rows; ++r) {
+  // Runs: the rows of one slot are consecutive, and a slot has one run per step.
+  std::vector<int64_t> run_of(static_cast<size_t>(pool_->slots()), 0);
+  int64_t longest = 0;
+  for (int64_t r = 0, run = 0; r < rows; ++r) {
     const int32_t s = slots[static_cast<size_t>(r)], t = tokens[static_cast<size_t>(r)];
     K3_CHECK(s >= 0 && s < pool_->slots(), "slot ", s, " outside the pool of ", pool_->slots());
-    K3_CHECK(!used[static_cast<size_t>(s)], "slot ", s, " appears twice in one step");
-    used[static_cast<size_t>(s)] = true;
+    const bool continues = r > 0 && slots[static_cast<size_t>(r - 1)] == s;
+    K3_CHECK(continues || run_of[static_cast<size_t>(s)] == 0, "slot ", s,
+             " has two separate runs of rows in one step (its rows must be consecutive)");
+    run = continues ? run + 1 : 1;
+    run_of[static_cast<size_t>(s)] = run;
+    longest = std::max(longest, run);
     K3_CHECK(t >= 0 && t < cfg_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
              cfg_.vocab_size, ")");
-    K3_CHECK(host_pos_[static_cast<size_t>(s)] < opt_.pool.max_context, "context length ",
+    K3_CHECK(host_pos_[static_cast<size_t>(s)] + run <= opt_.pool.max_context, "context length ",
              opt_.pool.max_context, " exceeded in slot ", s);
   }
+  K3_CHECK(!keep_kda_states || longest - 1 <= pool_->snapshots(), "a run of ", longest,
+           " rows keeps ", longest - 1, " KDA snapshots; ", pool_->snapshots(),
+           " are reserved (reserve_snapshots)");
   for (int64_t r = 0; r < rows; ++r)
     ++host_pos_[static_cast<size_t>(slots[static_cast<size_t>(r)])];
 
@@ -194,9 +213,11 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
   K3_CUDA_CHECK(cudaEventSynchronize(inputs_copied_));
   std::copy(slots.begin(), slots.end(), host_in_);
   std::copy(tokens.begin(), tokens.end(), host_in_ + opt_.max_rows);
+  host_in_[2 * opt_.max_rows] = keep_kda_states ? 1 : 0;
   copy_to_device_async(buf_->slots.data(), host_in_, static_cast<size_t>(rows), stream_);
   copy_to_device_async(buf_->tokens.data(), host_in_ + opt_.max_rows, static_cast<size_t>(rows),
                        stream_);
+  copy_to_device_async(buf_->keep_kda.data(), host_in_ + 2 * opt_.max_rows, 1, stream_);
   K3_CUDA_CHECK(cudaEventRecord(inputs_copied_, stream_));
 
   if (!opt_.use_graphs || tap_ || marks_)
@@ -333,6 +354,27 @@ void CudaBackbone::logits_to_host(int64_t rows, float* out) {
   copy_to_host_async(out, buf_->logits.data(), static_cast<size_t>(rows * cfg_.vocab_size),
                      stream_);
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackbone::logits_rows_to_host(std::span<const int64_t> rows,
+                                       std::span<float* const> out) {
+  K3_CHECK(rows.size() == out.size(), "logits_rows_to_host: ", rows.size(), " rows, ", out.size(),
+           " outputs");
+  const auto V = static_cast<size_t>(cfg_.vocab_size);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    K3_CHECK(rows[i] >= 0 && rows[i] < opt_.max_rows, "logits_rows_to_host: row ", rows[i]);
+    copy_to_host_async(out[i], buf_->logits.data() + static_cast<size_t>(rows[i]) * V, V, stream_);
+  }
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaBackbone::hidden_to_host(int64_t rows, float* out) {
+  K3_CHECK(rows >= 0 && rows <= opt_.max_rows, "hidden_to_host: ", rows, " rows");
+  const size_t n = static_cast<size_t>(rows * cfg_.hidden_size);
+  std::vector<uint16_t> bits(n);
+  copy_to_host_async(bits.data(), buf_->x.data(), n, stream_);
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(bits[i]);
 }
 
 void CudaBackbone::greedy(int64_t rows, int32_t* ids) {

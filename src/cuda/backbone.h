@@ -24,6 +24,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/device_state.h"
 #include "cuda/device_weights.h"
+#include "cuda/kda_decode.h"
 #include "cuda/mla_decode.h"
 #include "model/config.h"
 
@@ -100,21 +101,31 @@ class CudaBackbone {
   void reset_slot(int slot);
   int64_t position(int slot) const;  // tokens the slot has consumed (host mirror, no sync)
   // Speculative verify support (SlotPool's snapshots): keep / restore slot s's KDA state as
-  // copy `index`, and move its position back to an accepted length.
-  void reserve_snapshots(int n) { pool_->reserve_snapshots(n); }
+  // copy `index`, and move its position back to an accepted length. Growing the snapshots
+  // reallocates them, so it drops the captured graphs (recaptured on their next step).
+  void reserve_snapshots(int n);
   void save_kda(int slot, int index) { pool_->save_kda(slot, index, stream_); }
   void restore_kda(int slot, int index) { pool_->restore_kda(slot, index, stream_); }
   void set_position(int slot, int64_t position);
   // Benchmarks: slot s as if `tokens` tokens had been decoded (SlotPool::fill_synthetic).
   void assume_context(int slot, int64_t tokens);
 
-  // One decode step, asynchronous: row r feeds tokens[r] into slot slots[r] (slots distinct,
-  // 1 <= rows <= max_rows). Afterwards logits() holds [rows][vocab] fp32.
+  // One step, asynchronous: row r feeds tokens[r] into slot slots[r] (1 <= rows <= max_rows).
+  // Rows of one slot must be consecutive: such a run is the request's next tokens in order (a
+  // verify's q positions, a prefill chunk), at positions position(slot) + 0, 1, ... Afterwards
+  // logits() holds [rows][vocab] fp32. keep_kda_states: each run's KDA state after its row t
+  // (t < run - 1) is kept as snapshot t of its slot (restore_kda commits a verified prefix);
+  // needs reserve_snapshots(longest run - 1).
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
-            StepPath path = StepPath::Stock);
+            StepPath path = StepPath::Stock, bool keep_kda_states = false);
   const float* logits() const;  // [max_rows][vocab] fp32 (device)
   // Waits for the step and copies rows x vocab logits to the host.
   void logits_to_host(int64_t rows, float* out);
+  // Waits for the step and copies the logits of step row rows[i] to out[i] ([vocab] fp32 each).
+  void logits_rows_to_host(std::span<const int64_t> rows, std::span<float* const> out);
+  // Waits for the step and copies the rows' final-normed hidden states (the lm_head input,
+  // [rows][hidden] bf16 on the device) to the host as fp32: a draft model's input.
+  void hidden_to_host(int64_t rows, float* out);
   // Greedy ids of the last step's rows (argmax on the device; waits).
   void greedy(int64_t rows, int32_t* ids);
 
@@ -165,6 +176,9 @@ class CudaBackbone {
   void prefetch_l2(std::initializer_list<const DevMatrix*> next);
   void mark(const char* stage);  // stage boundary (profile_step only)
   void attn_kda(int layer, int64_t rows);
+  // The fused KDA kernel over the step's runs (both paths): inputs in place with row strides.
+  void kda_core(int layer, int64_t rows, const __nv_bfloat16* u, const __nv_bfloat16* beta,
+                const __nv_bfloat16* z, const KdaDecodeStrides& strides);
   void attn_mla(int layer, int64_t rows, const LinearEpilogue& out = {});
   void dsa_select(int layer, int64_t rows);  // fills the rows' selected token lists
   void ffn_dense(int layer, int64_t rows);
@@ -199,7 +213,7 @@ class CudaBackbone {
   LayerTap tap_;
   void tap(int layer, const char* part,
            int64_t rows);       // [slots] positions as the host has enqueued them
-  int32_t* host_in_ = nullptr;  // pinned [2][max_rows]: slots then tokens
+  int32_t* host_in_ = nullptr;  // pinned [2 * max_rows + 1]: slots, tokens, keep_kda flag
   cudaEvent_t inputs_copied_ = nullptr;
 };
 

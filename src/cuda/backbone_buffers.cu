@@ -75,6 +75,7 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
 
   slots = make<int32_t>(R);
   tokens = make<int32_t>(R);
+  keep_kda = make<int32_t>(1);
   row_pos = make<int32_t>(R);
   row_seq = make<int32_t>(R);
   ids = make<int32_t>(R);

@@ -24,6 +24,7 @@ struct CudaBackbone::Buffers {
   int64_t max_rows = 0, hidden = 0;
   // Step inputs and per-row values derived on the device.
   DeviceBuffer<int32_t> slots, tokens;     // [rows] int32
+  DeviceBuffer<int32_t> keep_kda;          // [1] int32: nonzero = write KDA snapshots this step
   DeviceBuffer<int32_t> row_pos, row_seq;  // [rows] int32
   DeviceBuffer<int32_t> row_table;         // [rows][pages_per_slot] int32
   DeviceBuffer<int32_t> ids;               // [rows] int32 greedy ids

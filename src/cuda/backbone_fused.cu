@@ -11,7 +11,6 @@
 // GEMM streams its first weight tiles while the kernel before it drains; beside the
 // latency-bound cores, a side-stream kernel warms the next projection's weights into L2.
 #include <cmath>
-#include <limits>
 
 #include "core/error.h"
 #include "cuda/attn_res.h"
@@ -130,7 +129,6 @@ void CudaBackbone::attn_kda_fused(int l, int64_t R, const LinearEpilogue& out) {
   Buffers& b = *buf_;
   const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
   const KdaInProjLayout& in = k.in_layout;
-  const auto& la = cfg_.linear_attn_config;
   const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim(), n = in.ld;  // row stride
   K3_CHECK(in.q == 0 && in.k == P && in.v == 2 * P, "KDA in_proj: q, k, v must lead the rows");
   mark("kda_proj");
@@ -145,40 +143,18 @@ void CudaBackbone::attn_kda_fused(int l, int64_t R, const LinearEpilogue& out) {
     z_ld = P;
   }
   mark("kda_core");
-  KdaDecodeWeights w;
-  w.conv = k.conv;
-  w.dt_bias = k.dt_bias;
-  w.a_log = k.a_log;
-  w.o_norm = k.o_norm;
-  w.gate_lower_bound = la.gate_lower_bound.value_or(std::numeric_limits<float>::quiet_NaN());
-  w.eps = cfg_.rms_norm_eps;
-  w.scale = 1.0f / std::sqrt(static_cast<float>(la.head_dim));
-  KdaDecodeShape shape;
-  shape.rows = R;
-  shape.heads = la.num_heads;
-  shape.head_dim = la.head_dim;
-  shape.kernel = la.short_conv_kernel_size;
   KdaDecodeStrides st;
   st.u = n;
   st.f = P;
   st.beta = n;
   st.z = z_ld;
-  const __nv_bfloat16* u = b.kda_in.data();
-  const __nv_bfloat16* beta = b.kda_in.data() + in.b;
   // The recurrence is latency-bound (a few CTAs per row): warm o_proj into L2 beside it.
   const bool warm = opt_.tuning.l2_prefetch_bytes > 0;
   if (warm) {
     fork_side();
     prefetch_l2({&k.o_proj});
   }
-  if (pool_->recurrent_dtype() == DType::F32)
-    kda_decode_step(u, b.kda_f.data(), beta, z, w, b.slots.data(), pool_->conv(l),
-                    static_cast<float*>(pool_->recurrent(l)), b.kda_gated.data(), shape, stream_,
-                    st);
-  else
-    kda_decode_step(u, b.kda_f.data(), beta, z, w, b.slots.data(), pool_->conv(l),
-                    static_cast<__nv_bfloat16*>(pool_->recurrent(l)), b.kda_gated.data(), shape,
-                    stream_, st);
+  kda_core(l, R, b.kda_in.data(), b.kda_in.data() + in.b, z, st);
   if (warm) join_side();
   mark("attn_o_proj");
   linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, out, stream_);

@@ -103,6 +103,16 @@ void CudaBackbone::attn_kda(int l, int64_t R) {
     linear(k.g_b, b.kda_ga.data(), k.g_a.rows, R, b.kda_z.data(), P, false, stream_);
   }
   mark("kda_core");
+  kda_core(l, R, b.kda_u.data(), b.kda_beta.data(), b.kda_z.data(), KdaDecodeStrides{});
+  mark("attn_o_proj");
+  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
+}
+
+void CudaBackbone::kda_core(int l, int64_t R, const __nv_bfloat16* u, const __nv_bfloat16* beta,
+                            const __nv_bfloat16* z, const KdaDecodeStrides& strides) {
+  Buffers& b = *buf_;
+  const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
+  const auto& la = cfg_.linear_attn_config;
   KdaDecodeWeights w;
   w.conv = k.conv;
   w.dt_bias = k.dt_bias;
@@ -116,17 +126,23 @@ void CudaBackbone::attn_kda(int l, int64_t R) {
   shape.heads = la.num_heads;
   shape.head_dim = la.head_dim;
   shape.kernel = la.short_conv_kernel_size;
+  // Verify steps keep each run's state after every token but its last (SlotPool's copies).
+  KdaSnapshots snap;
+  if (pool_->snapshots() > 0) {
+    snap.conv = pool_->conv_snapshots(l);
+    snap.state = pool_->recurrent_snapshots(l);
+    snap.slots = pool_->slots();
+    snap.count = pool_->snapshots();
+    snap.enabled = b.keep_kda.data();
+  }
   if (pool_->recurrent_dtype() == DType::F32)
-    kda_decode_step(b.kda_u.data(), b.kda_f.data(), b.kda_beta.data(), b.kda_z.data(), w,
-                    b.slots.data(), pool_->conv(l), static_cast<float*>(pool_->recurrent(l)),
-                    b.kda_gated.data(), shape, stream_);
+    kda_decode_step(u, b.kda_f.data(), beta, z, w, b.slots.data(), pool_->conv(l),
+                    static_cast<float*>(pool_->recurrent(l)), b.kda_gated.data(), shape, stream_,
+                    strides, snap);
   else
-    kda_decode_step(b.kda_u.data(), b.kda_f.data(), b.kda_beta.data(), b.kda_z.data(), w,
-                    b.slots.data(), pool_->conv(l),
+    kda_decode_step(u, b.kda_f.data(), beta, z, w, b.slots.data(), pool_->conv(l),
                     static_cast<__nv_bfloat16*>(pool_->recurrent(l)), b.kda_gated.data(), shape,
-                    stream_);
-  mark("attn_o_proj");
-  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
+                    stream_, strides, snap);
 }
 
 void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {

@@ -50,21 +50,26 @@ class CudaBackend final : public serve::StepBackend {
     o.pool.max_context = d.max_model_len > 0 ? d.max_model_len : cfg.max_position_embeddings;
     o.pool.recurrent = kd.recurrent;
     o.pool.latent = cpu::latent_format_of(d.kv_cache_dtype);
-    o.max_rows = std::min(d.max_num_seqs, 64);
+    // Rows per step count tokens: a prefill chunk or a verify's q positions are a run of rows
+    // of one slot, so even one request fills a step.
+    o.max_rows = kMaxStepRows;
     // latency_specialized: the specialized step, captured per size at load. A capture size
-    // counts rows = requests x q; a verify of q tokens runs as q steps of its requests here, so
-    // the graph of size s serves s / q requests.
+    // counts rows = requests x q (vLLM's cudagraph_capture_sizes).
     if (const auto dc = specialized_decode_config(cfg, d)) {
       K3_CHECK(dc->dcp == 1,
                "the CUDA backend runs one rank: decode_context_parallel_size must be 1, got ",
                dc->dcp);
       for (const int s : dc->capture_sizes) {
-        const int requests = std::min(s / dc->q, o.max_rows);
-        if (requests >= 1 && (o.capture_sizes.empty() || requests > o.capture_sizes.back()))
-          o.capture_sizes.push_back(requests);
+        const int rows = std::min(s, o.max_rows);
+        if (o.capture_sizes.empty() || rows > o.capture_sizes.back())
+          o.capture_sizes.push_back(rows);
       }
     }
     backbone_ = std::make_unique<CudaBackbone>(cfg, model_->weights, o);
+    // A verify of q tokens keeps q - 1 KDA copies per slot; reserved before the graphs are
+    // captured (growing them later drops the graphs).
+    const int q = 1 + std::max(0, d.speculative_config.num_speculative_tokens);
+    if (q > 1) backbone_->reserve_snapshots(q - 1);
     for (int s = d.max_num_seqs - 1; s >= 0; --s) free_->free.push_back(s);
     verify_start_.assign(static_cast<size_t>(d.max_num_seqs), 0);
     verify_q_.assign(static_cast<size_t>(d.max_num_seqs), 0);
@@ -83,39 +88,36 @@ class CudaBackend final : public serve::StepBackend {
     return std::make_unique<CudaSlot>(const_cast<CudaBackend*>(this), free_, s);
   }
 
-  // Position t of every row that has a t-th token runs as one batched step (in groups of at
-  // most max_rows); logits of a row's last token are copied out.
+  // Each row's tokens run as a run of rows of its slot, packed into steps of at most max_rows
+  // tokens; the logits after a row's last token (and the hidden states of all) are copied out.
   void forward(std::span<const serve::StepRow> rows) override {
     std::vector<Row> rs;
-    for (const auto& r : rows) {
-      K3_CHECK(r.hidden == nullptr,
-               "the CUDA backend does not export hidden states (draft-model "
-               "speculation runs on the CPU backend)");
-      rs.push_back({slot_of(r.state), r.tokens, r.logits, /*all_logits=*/false});
-    }
-    run(rs, /*snapshots=*/false);
+    for (const auto& r : rows)
+      rs.push_back({slot_of(r.state), r.tokens, r.logits, r.hidden, /*all_logits=*/false});
+    run(rs, /*verify=*/false);
   }
 
-  // Speculative verify (stock path): the q tokens of each row run as q batched steps; the logits
-  // after every token are copied out and each row's KDA state is kept after each of its first
-  // q - 1 tokens, so commit() restores the accepted prefix's state without recomputing it.
+  // Speculative verify: a row's q tokens are one run in one step (both paths), so the q
+  // positions cost about one step, not q; the logits after every token are copied out and the
+  // KDA state after each of the first q - 1 is kept in the slot's snapshots, so commit()
+  // restores the accepted prefix's state without recomputing it.
   bool supports_verify() const override { return true; }
   void verify(std::span<const serve::VerifyRow> rows) override {
     std::vector<Row> rs;
     size_t q_max = 0;
     for (const auto& r : rows) {
-      K3_CHECK(r.hidden == nullptr,
-               "the CUDA backend does not export hidden states (draft-model "
-               "speculation runs on the CPU backend)");
       K3_CHECK(!r.tokens.empty(), "a verify row needs at least one token");
+      K3_CHECK(static_cast<int>(r.tokens.size()) <= backbone_->max_rows(), "a verify of ",
+               r.tokens.size(), " tokens exceeds the ", backbone_->max_rows(),
+               " rows of one step");
       const int s = slot_of(r.state);
-      rs.push_back({s, r.tokens, r.logits, /*all_logits=*/true});
+      rs.push_back({s, r.tokens, r.logits, r.hidden, /*all_logits=*/true});
       q_max = std::max(q_max, r.tokens.size());
       verify_start_[static_cast<size_t>(s)] = backbone_->position(s);
       verify_q_[static_cast<size_t>(s)] = static_cast<int64_t>(r.tokens.size());
     }
     if (q_max > 1) backbone_->reserve_snapshots(static_cast<int>(q_max) - 1);
-    run(rs, /*snapshots=*/true);
+    run(rs, /*verify=*/true);
   }
   void commit(serve::SlotState& state, int64_t consumed) override {
     const int s = slot_of(&state);
@@ -139,21 +141,29 @@ class CudaBackend final : public serve::StepBackend {
   int64_t position(int slot) const { return backbone_->position(slot); }
 
  private:
+  static constexpr int kMaxStepRows = 64;
   struct Row {
     int slot;
     std::span<const int64_t> tokens;
     float* logits;  // [tokens][vocab] (all_logits) or [vocab] after the last token, or null
+    float* hidden;  // [tokens][hidden] or null
     bool all_logits;
   };
-  // One routing decision per step: a decode-only step (every row one token: a decode row or a
-  // position of a verify) whose row count has a specialized graph runs the specialized path;
-  // prefill, mixed and wider steps run the stock one. Both share every state tensor.
-  StepPath path_of(const std::vector<Row>& rows, size_t step_rows) const {
-    if (!backbone_->specialized_ready() ||
-        static_cast<int>(step_rows) > backbone_->max_capture_rows())
+  // Part of a row in one step: tokens [first, first + count), at step rows [at, at + count).
+  struct Piece {
+    const Row* row;
+    size_t first, count;
+    int64_t at;
+  };
+  // One routing decision per step: a decode-only step (decode rows of one token, or verify
+  // runs) whose row count has a specialized graph runs the specialized path; prefill, mixed and
+  // wider steps run the stock one. Both share every state tensor.
+  StepPath path_of(const std::vector<Piece>& pieces, int64_t step_rows, bool verify) const {
+    if (!backbone_->specialized_ready() || step_rows > backbone_->max_capture_rows())
       return StepPath::Stock;
-    for (const Row& r : rows)
-      if (r.tokens.size() > 1 && !r.all_logits) return StepPath::Stock;  // a prefill chunk
+    if (!verify)
+      for (const Piece& p : pieces)
+        if (p.row->tokens.size() > 1) return StepPath::Stock;  // a prefill chunk
     return StepPath::Specialized;
   }
   static int slot_of(serve::SlotState* state) {
@@ -161,43 +171,60 @@ class CudaBackend final : public serve::StepBackend {
     K3_CHECK(s != nullptr, "CUDA backend: a state from another backend");
     return s->slot();
   }
-  void run(const std::vector<Row>& rows, bool snapshots) {
-    size_t longest = 0;
-    for (const auto& r : rows) longest = std::max(longest, r.tokens.size());
-    const int64_t V = vocab_size();
+  // Packs the rows' tokens into steps: a verify run stays whole (its snapshots index its
+  // tokens), a prefill row is cut where the step is full and continues in the next one.
+  void run(const std::vector<Row>& rows, bool verify) {
+    const int64_t V = vocab_size(), H = model_->config.hidden_size;
+    const int64_t budget = backbone_->max_rows();
+    std::vector<size_t> fed(rows.size(), 0);
     std::vector<int32_t> slots, toks;
-    std::vector<const Row*> members;
-    std::vector<float> logits;
-    for (size_t t = 0; t < longest; ++t) {
-      for (size_t i = 0; i < rows.size();) {
-        slots.clear();
-        toks.clear();
-        members.clear();
-        for (; i < rows.size() && static_cast<int>(slots.size()) < backbone_->max_rows(); ++i) {
-          if (t >= rows[i].tokens.size()) continue;
+    std::vector<Piece> pieces;
+    std::vector<float> hidden;
+    for (;;) {
+      slots.clear();
+      toks.clear();
+      pieces.clear();
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const size_t left = rows[i].tokens.size() - fed[i];
+        const int64_t room = budget - static_cast<int64_t>(slots.size());
+        if (left == 0 || room == 0 || (verify && static_cast<int64_t>(left) > room)) continue;
+        const size_t take = std::min<size_t>(left, static_cast<size_t>(room));
+        pieces.push_back({&rows[i], fed[i], take, static_cast<int64_t>(slots.size())});
+        for (size_t t = fed[i]; t < fed[i] + take; ++t) {
           slots.push_back(rows[i].slot);
           toks.push_back(static_cast<int32_t>(rows[i].tokens[t]));
-          members.push_back(&rows[i]);
         }
-        if (slots.empty()) continue;
-        backbone_->step(slots, toks, path_of(rows, slots.size()));
-        const auto wants = [&](const Row* r) {
-          return r->logits && (r->all_logits || t + 1 == r->tokens.size());
-        };
-        bool any = false;
-        for (const Row* r : members) {
-          any |= wants(r);
-          if (snapshots && t + 1 < r->tokens.size())
-            backbone_->save_kda(r->slot, static_cast<int>(t));
-        }
-        if (!any) continue;
-        logits.resize(static_cast<size_t>(V) * members.size());
-        backbone_->logits_to_host(static_cast<int64_t>(members.size()), logits.data());
-        for (size_t m = 0; m < members.size(); ++m)
-          if (wants(members[m]))
-            std::copy_n(logits.data() + m * V, V,
-                        members[m]->logits + (members[m]->all_logits ? t * V : 0));
+        fed[i] += take;
       }
+      if (slots.empty()) return;
+      const int64_t n = static_cast<int64_t>(slots.size());
+      backbone_->step(slots, toks, path_of(pieces, n, verify), /*keep_kda_states=*/verify);
+      std::vector<int64_t> want_rows;
+      std::vector<float*> want_out;
+      bool any_hidden = false;
+      for (const Piece& p : pieces) {
+        const Row& r = *p.row;
+        any_hidden |= r.hidden != nullptr;
+        if (!r.logits) continue;
+        for (size_t j = 0; j < p.count; ++j) {
+          const size_t t = p.first + j;
+          if (r.all_logits) {
+            want_rows.push_back(p.at + static_cast<int64_t>(j));
+            want_out.push_back(r.logits + t * static_cast<size_t>(V));
+          } else if (t + 1 == r.tokens.size()) {
+            want_rows.push_back(p.at + static_cast<int64_t>(j));
+            want_out.push_back(r.logits);
+          }
+        }
+      }
+      backbone_->logits_rows_to_host(want_rows, want_out);
+      if (!any_hidden) continue;
+      hidden.resize(static_cast<size_t>(n * H));
+      backbone_->hidden_to_host(n, hidden.data());
+      for (const Piece& p : pieces)
+        if (p.row->hidden)
+          std::copy_n(hidden.data() + p.at * H, p.count * static_cast<size_t>(H),
+                      p.row->hidden + p.first * static_cast<size_t>(H));
     }
   }
 

@@ -219,6 +219,13 @@ void SlotPool::fill_synthetic(int slot, int64_t tokens, cudaStream_t stream) {
 
 namespace {
 
+// Rows of one slot are consecutive (a run): row r is token r - first of its run.
+__device__ __forceinline__ int32_t offset_in_run(const int32_t* slot_of_row, int64_t r) {
+  int32_t off = 0;
+  while (r - off > 0 && slot_of_row[r - off - 1] == slot_of_row[r]) ++off;
+  return off;
+}
+
 __global__ void prepare_rows_kernel(const int32_t* slot_of_row, int64_t rows,
                                     const int32_t* positions, const int32_t* table,
                                     int pages_per_slot, int32_t* position, int32_t* seq_len,
@@ -228,7 +235,7 @@ __global__ void prepare_rows_kernel(const int32_t* slot_of_row, int64_t rows,
   if (r >= rows) return;
   const int32_t slot = slot_of_row[r];
   if (threadIdx.x == 0) {
-    const int32_t p = positions[slot];
+    const int32_t p = positions[slot] + offset_in_run(slot_of_row, r);
     position[r] = p;
     seq_len[r] = p + 1;
   }
@@ -236,10 +243,12 @@ __global__ void prepare_rows_kernel(const int32_t* slot_of_row, int64_t rows,
     row_table[r * pages_per_slot + j] = table[static_cast<int64_t>(slot) * pages_per_slot + j];
 }
 
+// The last row of each run moves its slot past the run (one writer per slot).
 __global__ void advance_rows_kernel(const int32_t* slot_of_row, int64_t rows, int32_t* positions) {
   K3_PDL_ENTRY();
   const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (r < rows) positions[slot_of_row[r]] += 1;
+  if (r >= rows || (r + 1 < rows && slot_of_row[r + 1] == slot_of_row[r])) return;
+  positions[slot_of_row[r]] += offset_in_run(slot_of_row, r) + 1;
 }
 
 }  // namespace

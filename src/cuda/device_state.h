@@ -52,6 +52,15 @@ class SlotPool {
   // reserve_snapshots(n) allocates n copies per slot (once; grows only); index < n.
   void reserve_snapshots(int n);
   void save_kda(int slot, int index, cudaStream_t stream);
+  int snapshots() const { return snapshots_; }
+  // Layer l's copies (null before reserve_snapshots): conv [snapshots][slots][3][P][K-1] bf16,
+  // recurrent [snapshots][slots][h][D][D] in the recurrent dtype.
+  __nv_bfloat16* conv_snapshots(int layer) {
+    return snapshots_ ? conv_snap_[idx(layer)].data() : nullptr;
+  }
+  void* recurrent_snapshots(int layer) {
+    return snapshots_ ? recurrent_snap_[idx(layer)].data() : nullptr;
+  }
   void restore_kda(int slot, int index, cudaStream_t stream);
   // Sets slot s's position (ordered on `stream`; waits for the copy). Cache entries at or past
   // it are dead: attention reads positions below the length only, later tokens overwrite them.
@@ -96,14 +105,15 @@ class SlotPool {
 };
 
 // Per-row step values derived on the device from the rows' slots (nothing comes from the host
-// but the slot ids, so a captured step replays with new rows):
-//   position[r] = positions[slot[r]]          (the token index this step writes)
+// but the slot ids, so a captured step replays with new rows). Rows of one slot are consecutive
+// (a run: the request's next tokens in order); o[r] = r - (first row of r's run):
+//   position[r] = positions[slot[r]] + o[r]   (the token index this row writes)
 //   seq_len[r]  = position[r] + 1              (tokens attended, this one included)
 //   row_table[r][j] = table[slot[r]][j]        ([rows][pages_per_slot])
 void prepare_rows(const int32_t* slot_of_row, int64_t rows, const int32_t* positions,
                   const int32_t* table, int pages_per_slot, int32_t* position, int32_t* seq_len,
                   int32_t* row_table, cudaStream_t stream);
-// positions[slot[r]] += 1 for every row (slots distinct within a step).
+// positions[slot] += (rows of its run) for every run.
 void advance_rows(const int32_t* slot_of_row, int64_t rows, int32_t* positions,
                   cudaStream_t stream);
 

@@ -1,4 +1,5 @@
-// Fused KDA decode step, one CTA per (row, head).
+// Fused KDA decode step, one CTA per (run of rows of one slot, head): a run is one request's
+// next tokens in order (a verify's q positions, a prefill chunk), carried through in registers.
 //
 // Design: the head's D x D state (rows i = key channel, columns j = value channel) is held in
 // registers for the whole step, so it is read once and written once (the byte floor). Thread t
@@ -18,6 +19,7 @@
 #include "cuda/kda_decode.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "core/error.h"
 #include "cuda/block_reduce.cuh"
@@ -52,6 +54,14 @@ __device__ __forceinline__ void store_state(float* p, float v) {
 __device__ __forceinline__ void store_state(__nv_bfloat16* p, float v) {
   *p = __float2bfloat16_rn(v);  // nearest even, as the CPU StateBuffer::store
 }
+// The value a store then a load of the state gives.
+template <typename StateT>
+__device__ __forceinline__ float round_state(float v) {
+  if constexpr (std::is_same_v<StateT, float>)
+    return v;
+  else
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
 
 template <int D>
 struct Cfg {
@@ -67,13 +77,22 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads)
                       const __nv_bfloat16* __restrict__ z, KdaDecodeWeights w,
                       const int32_t* __restrict__ slot_of_row, __nv_bfloat16* conv_state,
                       StateT* state, __nv_bfloat16* __restrict__ out, int heads, int kernel,
-                      KdaDecodeStrides ld) {  // strides resolved (all non-zero)
+                      KdaDecodeStrides ld,  // strides resolved (all non-zero)
+                      KdaSnapshots snap) {
   K3_PDL_ENTRY();
   using C = Cfg<D>;
-  const int h = blockIdx.x, row = blockIdx.y, tid = threadIdx.x;
+  const int h = blockIdx.x, first = blockIdx.y, tid = threadIdx.x;
+  const int rows = static_cast<int>(gridDim.y);
   const int64_t P = static_cast<int64_t>(heads) * D;
   const int hist = kernel - 1;
-  const int64_t slot = slot_of_row[row];
+  const int32_t slot32 = slot_of_row[first];
+  // A run of rows of one slot is that request's next tokens in order: the CTA of its first row
+  // carries the state through all of them; the CTAs of the others have nothing to do.
+  if (first > 0 && slot_of_row[first - 1] == slot32) return;
+  int run = 1;
+  while (first + run < rows && slot_of_row[first + run] == slot32) ++run;
+  const int64_t slot = slot32;
+  const bool keep = snap.enabled != nullptr && *snap.enabled != 0;
 
   __shared__ float qkv[3][D];            // post-conv q, k, v of this head (fp32)
   __shared__ float alpha[D];             // exp(g) per key channel
@@ -82,105 +101,127 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads)
   __shared__ float misc[4];              // beta, 1/|q|, 1/|k|
   __shared__ float scratch[33];
 
-  // 1. Short conv + SiLU over channel c of stream s (q, k, v), window updated in place.
-  const __nv_bfloat16* ur = u + row * ld.u;  // [3][P]
-  for (int e = tid; e < 3 * D; e += C::kThreads) {
-    const int s = e / D, d = e % D;
-    const int64_t ch = s * P + static_cast<int64_t>(h) * D + d;    // index into [3][P]
-    const float* wc = w.conv + ch * kernel;                        // [kernel] fp32
-    __nv_bfloat16* win = conv_state + (slot * 3 * P + ch) * hist;  // [kernel-1] bf16
-    const float cur = __bfloat162float(ur[ch]);
-    float x[kMaxKernel];
-    float acc = 0.0f;
-    for (int j = 0; j < hist; ++j) {
-      x[j] = __bfloat162float(win[j]);
-      acc += wc[j] * x[j];
-    }
-    acc += wc[hist] * cur;
-    // The window holds bf16 pre-conv inputs, which u already is: the shift is exact.
-    for (int j = 0; j + 1 < hist; ++j) win[j] = __float2bfloat16_rn(x[j + 1]);
-    if (hist > 0) win[hist - 1] = ur[ch];
-    qkv[s][d] = acc * sigmoid_f(acc);  // silu
-  }
-  // Decay gate per key channel and beta.
-  if (tid < D) {
-    const int64_t i = static_cast<int64_t>(h) * D + tid;
-    const float a = __bfloat162float(f[row * ld.f + i]) + w.dt_bias[i];
-    const float a_scale = expf(w.a_log[h]);
-    const float g = isnan(w.gate_lower_bound) ? -a_scale * softplus_f(a)
-                                              : w.gate_lower_bound * sigmoid_f(a_scale * a);
-    alpha[tid] = expf(g);
-  }
-  if (tid == 0) misc[0] = sigmoid_f(__bfloat162float(beta_logit[row * ld.beta + h]));
-  __syncthreads();
-
-  // 2. L2 norms (FLA: eps inside the root); warp 0 does q, warp 1 does k.
-  if (tid < 64) {
-    const int s = tid / 32, lane = tid % 32;
-    float ss = 0.0f;
-    for (int d = lane; d < D; d += 32) ss += qkv[s][d] * qkv[s][d];
-    ss = detail::warp_sum(ss);
-    if (lane == 0) misc[1 + s] = 1.0f / sqrtf(ss + 1e-6f);
-  }
-  __syncthreads();
-  if (tid < 2 * D) qkv[tid / D][tid % D] *= misc[1 + tid / D];
-  __syncthreads();
-
-  // 3. Load the owned rows of column j, decay, partial S^T k.
+  // The owned rows of column j stay in registers for the whole run.
   const int j = tid % D, grp = tid / D, i0 = grp * C::kRpt;
   StateT* S = state + (slot * heads + h) * static_cast<int64_t>(D) * D;  // [D][D]
   float s[C::kRpt];
 #pragma unroll
   for (int r = 0; r < C::kRpt; ++r) s[r] = load_state(S + (i0 + r) * D + j);
-  float acc = 0.0f;
-#pragma unroll
-  for (int r = 0; r < C::kRpt; ++r) {
-    s[r] *= alpha[i0 + r];
-    acc += s[r] * qkv[1][i0 + r];
-  }
-  part[grp][j] = acc;
-  __syncthreads();
-  if (grp == 0) {
-    float kS = 0.0f;
-#pragma unroll
-    for (int g2 = 0; g2 < C::kGroups; ++g2) kS += part[g2][j];
-    ud[j] = misc[0] * (qkv[2][j] - kS);
-  }
-  __syncthreads();
 
-  // 4. Rank-one write, then read with the updated state; store it.
-  const float uj = ud[j];
-  acc = 0.0f;
-#pragma unroll
-  for (int r = 0; r < C::kRpt; ++r) {
-    s[r] += qkv[1][i0 + r] * uj;
-    acc += s[r] * qkv[0][i0 + r];
-    store_state(S + (i0 + r) * D + j, s[r]);
-  }
-  part[grp][j] = acc;
-  __syncthreads();
+  for (int t = 0; t < run; ++t) {
+    const int64_t row = first + t;
+    // Snapshot t (the state after this token) when asked for and not the run's last token.
+    const bool save = keep && t + 1 < run && t < snap.count;
+    // 1. Short conv + SiLU over channel c of stream s (q, k, v), window updated in place (each
+    // channel has one thread, so its window carries from token to token in that thread).
+    const __nv_bfloat16* ur = u + row * ld.u;  // [3][P]
+    for (int e = tid; e < 3 * D; e += C::kThreads) {
+      const int sq = e / D, d = e % D;
+      const int64_t ch = sq * P + static_cast<int64_t>(h) * D + d;   // index into [3][P]
+      const float* wc = w.conv + ch * kernel;                        // [kernel] fp32
+      __nv_bfloat16* win = conv_state + (slot * 3 * P + ch) * hist;  // [kernel-1] bf16
+      const float cur = __bfloat162float(ur[ch]);
+      float x[kMaxKernel];
+      float acc = 0.0f;
+      for (int q = 0; q < hist; ++q) {
+        x[q] = __bfloat162float(win[q]);
+        acc += wc[q] * x[q];
+      }
+      acc += wc[hist] * cur;
+      // The window holds bf16 pre-conv inputs, which u already is: the shift is exact.
+      for (int q = 0; q + 1 < hist; ++q) win[q] = __float2bfloat16_rn(x[q + 1]);
+      if (hist > 0) win[hist - 1] = ur[ch];
+      if (save) {
+        __nv_bfloat16* sw = snap.conv + ((t * snap.slots + slot) * 3 * P + ch) * hist;
+        for (int q = 0; q < hist; ++q) sw[q] = win[q];
+      }
+      qkv[sq][d] = acc * sigmoid_f(acc);  // silu
+    }
+    // Decay gate per key channel and beta.
+    if (tid < D) {
+      const int64_t i = static_cast<int64_t>(h) * D + tid;
+      const float a = __bfloat162float(f[row * ld.f + i]) + w.dt_bias[i];
+      const float a_scale = expf(w.a_log[h]);
+      const float g = isnan(w.gate_lower_bound) ? -a_scale * softplus_f(a)
+                                                : w.gate_lower_bound * sigmoid_f(a_scale * a);
+      alpha[tid] = expf(g);
+    }
+    if (tid == 0) misc[0] = sigmoid_f(__bfloat162float(beta_logit[row * ld.beta + h]));
+    __syncthreads();
 
-  // 5. o_j and the gated RMSNorm over the head.
-  float o = 0.0f;
-  if (grp == 0) {
+    // 2. L2 norms (FLA: eps inside the root); warp 0 does q, warp 1 does k.
+    if (tid < 64) {
+      const int sq = tid / 32, lane = tid % 32;
+      float ss = 0.0f;
+      for (int d = lane; d < D; d += 32) ss += qkv[sq][d] * qkv[sq][d];
+      ss = detail::warp_sum(ss);
+      if (lane == 0) misc[1 + sq] = 1.0f / sqrtf(ss + 1e-6f);
+    }
+    __syncthreads();
+    if (tid < 2 * D) qkv[tid / D][tid % D] *= misc[1 + tid / D];
+    __syncthreads();
+
+    // 3. Decay the owned rows, partial S^T k.
+    float acc = 0.0f;
 #pragma unroll
-    for (int g2 = 0; g2 < C::kGroups; ++g2) o += part[g2][j];
-    o *= w.scale;
+    for (int r = 0; r < C::kRpt; ++r) {
+      s[r] *= alpha[i0 + r];
+      acc += s[r] * qkv[1][i0 + r];
+    }
+    part[grp][j] = acc;
+    __syncthreads();
+    if (grp == 0) {
+      float kS = 0.0f;
+#pragma unroll
+      for (int g2 = 0; g2 < C::kGroups; ++g2) kS += part[g2][j];
+      ud[j] = misc[0] * (qkv[2][j] - kS);
+    }
+    __syncthreads();
+
+    // 4. Rank-one write, then read with the updated state (the CPU order). The state carried
+    // to the next token is what a store and a load would give (rounded for a bf16 state), so a
+    // run computes exactly what one-token steps would.
+    const float uj = ud[j];
+    acc = 0.0f;
+    StateT* snap_S =
+        save ? static_cast<StateT*>(snap.state) +
+                   ((t * snap.slots + slot) * heads + h) * static_cast<int64_t>(D) * D
+             : nullptr;
+#pragma unroll
+    for (int r = 0; r < C::kRpt; ++r) {
+      s[r] += qkv[1][i0 + r] * uj;
+      acc += s[r] * qkv[0][i0 + r];
+      s[r] = round_state<StateT>(s[r]);
+      if (save) store_state(snap_S + (i0 + r) * D + j, s[r]);
+    }
+    part[grp][j] = acc;
+    __syncthreads();
+
+    // 5. o_j and the gated RMSNorm over the head.
+    float o = 0.0f;
+    if (grp == 0) {
+#pragma unroll
+      for (int g2 = 0; g2 < C::kGroups; ++g2) o += part[g2][j];
+      o *= w.scale;
+    }
+    const float ss = detail::block_sum(grp == 0 ? o * o : 0.0f, scratch);
+    if (grp == 0) {
+      const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + w.eps);
+      const int64_t c = static_cast<int64_t>(h) * D + j;
+      const float y = o * inv * w.o_norm[j] * sigmoid_f(__bfloat162float(z[row * ld.z + c]));
+      out[row * P + c] = __float2bfloat16_rn(y);
+    }
+    __syncthreads();  // qkv, alpha, misc are rewritten by the next token
   }
-  const float ss = detail::block_sum(grp == 0 ? o * o : 0.0f, scratch);
-  if (grp == 0) {
-    const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + w.eps);
-    const int64_t c = static_cast<int64_t>(h) * D + j;
-    const float y = o * inv * w.o_norm[j] * sigmoid_f(__bfloat162float(z[row * ld.z + c]));
-    out[row * P + c] = __float2bfloat16_rn(y);
-  }
+#pragma unroll
+  for (int r = 0; r < C::kRpt; ++r) store_state(S + (i0 + r) * D + j, s[r]);
 }
 
 template <typename StateT>
 void launch(const __nv_bfloat16* u, const __nv_bfloat16* f, const __nv_bfloat16* beta_logit,
             const __nv_bfloat16* z, const KdaDecodeWeights& w, const int32_t* slot_of_row,
             __nv_bfloat16* conv_state, StateT* state, __nv_bfloat16* out, const KdaDecodeShape& sh,
-            cudaStream_t stream, KdaDecodeStrides ld) {
+            cudaStream_t stream, KdaDecodeStrides ld, const KdaSnapshots& snap) {
   K3_CHECK(sh.heads > 0 && sh.heads <= 65535, "kda_decode_step: heads = ", sh.heads);
   K3_CHECK(sh.kernel >= 1 && sh.kernel <= kMaxKernel, "kda_decode_step: kernel = ", sh.kernel,
            " (1..", kMaxKernel, ")");
@@ -199,20 +240,26 @@ void launch(const __nv_bfloat16* u, const __nv_bfloat16* f, const __nv_bfloat16*
   ld.f = resolve(ld.f, P, "f");
   ld.beta = resolve(ld.beta, sh.heads, "beta_logit");
   ld.z = resolve(ld.z, P, "z");
+  K3_CHECK(snap.enabled == nullptr || (snap.count >= 1 && snap.slots >= 1 && snap.state &&
+                                        (sh.kernel == 1 || snap.conv)),
+           "kda_decode_step: snapshots without buffers");
   if (sh.rows == 0) return;
   const dim3 grid(static_cast<unsigned>(sh.heads), static_cast<unsigned>(sh.rows));
   switch (sh.head_dim) {
     case 32:
       kda_decode_kernel<32, StateT><<<grid, Cfg<32>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld);
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld,
+          snap);
       break;
     case 64:
       kda_decode_kernel<64, StateT><<<grid, Cfg<64>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld);
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld,
+          snap);
       break;
     case 128:
       kda_decode_kernel<128, StateT><<<grid, Cfg<128>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld);
+          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld,
+          snap);
       break;
     default:
       fail("kda_decode_step: head_dim ", sh.head_dim, " unsupported (32, 64, 128)");
@@ -227,16 +274,18 @@ void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
                      const KdaDecodeWeights& w, const int32_t* slot_of_row,
                      __nv_bfloat16* conv_state, float* state, __nv_bfloat16* out,
                      const KdaDecodeShape& shape, cudaStream_t stream,
-                     const KdaDecodeStrides& strides) {
-  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream, strides);
+                     const KdaDecodeStrides& strides, const KdaSnapshots& snapshots) {
+  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream, strides,
+         snapshots);
 }
 void kda_decode_step(const __nv_bfloat16* u, const __nv_bfloat16* f,
                      const __nv_bfloat16* beta_logit, const __nv_bfloat16* z,
                      const KdaDecodeWeights& w, const int32_t* slot_of_row,
                      __nv_bfloat16* conv_state, __nv_bfloat16* state, __nv_bfloat16* out,
                      const KdaDecodeShape& shape, cudaStream_t stream,
-                     const KdaDecodeStrides& strides) {
-  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream, strides);
+                     const KdaDecodeStrides& strides, const KdaSnapshots& snapshots) {
+  launch(u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, shape, stream, strides,
+         snapshots);
 }
 
 }  // namespace k3::cuda

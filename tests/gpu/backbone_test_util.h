@@ -2,6 +2,8 @@
 // backbone options and logit distances.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <algorithm>
 #include <cmath>
 #include <map>
@@ -31,6 +33,12 @@ inline const LoadedModel& tiny_model(const std::string& preset) {
   }
   return *slot;
 }
+
+// Rows of a batched step against the same rows alone: the batched GEMMs run other plans (other
+// K splits: bf16 flips that the layers amplify), so they agree to rounding, not bits; a row
+// mixed up with another or a wrong slot is O(1) off.
+constexpr double kLogitRel = 0.02;      // relative L2 of a row's logits
+constexpr double kBatchedMaxRel = 0.1;  // max |d| / rms of a row's logits
 
 inline std::vector<int64_t> random_prompt(const ModelConfig& c, uint64_t seed, size_t n) {
   Rng r(seed);
@@ -76,6 +84,17 @@ inline double rel_l2(const std::vector<float>& a, const std::vector<float>& ref)
     den += static_cast<double>(ref[i]) * ref[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// Expects `got` within the batched-vs-alone bounds of `want`.
+inline void expect_batched_close(const std::vector<float>& got, const std::vector<float>& want,
+                                 const std::string& what) {
+  double worst = 0;
+  const double r = rms(want);
+  for (size_t v = 0; v < want.size(); ++v)
+    worst = std::max(worst, std::fabs(static_cast<double>(got[v]) - want[v]) / r);
+  EXPECT_LE(rel_l2(got, want), kLogitRel) << what;
+  EXPECT_LE(worst, kBatchedMaxRel) << what;
 }
 
 }  // namespace k3
