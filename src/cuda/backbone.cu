@@ -12,6 +12,7 @@
 #include "cuda/backbone_buffers.h"
 #include "cuda/check.h"
 #include "cuda/graph_pdl.h"
+#include "cuda/linear_plan.h"
 #include "cuda/rms_norm.h"
 #include "cuda/step_ops.h"
 
@@ -118,7 +119,8 @@ void CudaBackbone::bind_pool() {
   size_t mla_ws = 0;
   if (cfg_.num_hidden_layers > static_cast<int>(cfg_.linear_attn_config.kda_layers.size()))
     for (int r = 1; r <= opt_.max_rows; ++r)
-      mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r)));
+      for (const bool invariant : {false, true})
+        mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r, invariant)));
   buf_ = std::make_unique<Buffers>(cfg_, *weights_, opt_.max_rows, pool_->pages_per_slot(),
                                    opt_.pool.max_context, mla_ws);
 }
@@ -159,7 +161,12 @@ int64_t CudaBackbone::position(int slot) const {
 }
 
 const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows) {
-  auto it = mla_plans_.find(rows);
+  return mla_plan(rows, batch_invariant());
+}
+
+const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows, bool invariant) {
+  const int64_t key = rows * 2 + (invariant ? 1 : 0);
+  auto it = mla_plans_.find(key);
   if (it != mla_plans_.end()) return it->second;
   MlaDecodePlan p;
   p.rows = static_cast<int>(rows);
@@ -174,7 +181,10 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows) {
   } else {
     p.max_tokens = opt_.pool.max_context;
   }
-  return mla_plans_.emplace(rows, plan_mla_decode(p, sms_)).first->second;
+  MlaDecodePlan plan = plan_mla_decode(p, sms_);
+  // Batch-invariant: the one-row split of the tokens, so a row's sum order is its own.
+  if (invariant && rows != 1) plan.splits = mla_plan(1, true).splits;
+  return mla_plans_.emplace(key, plan).first->second;
 }
 
 void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,

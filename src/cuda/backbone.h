@@ -187,7 +187,8 @@ class CudaBackbone {
   const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L,
                                          cudaStream_t latent_stream);
   void mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out);
-  const MlaDecodePlan& mla_plan(int64_t rows);
+  const MlaDecodePlan& mla_plan(int64_t rows);  // for the current batch_invariant()
+  const MlaDecodePlan& mla_plan(int64_t rows, bool invariant);
 
   const ModelConfig& cfg_;
   CudaBackboneOptions opt_;

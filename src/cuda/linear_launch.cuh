@@ -180,7 +180,8 @@ template <class Fmt>
 void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
                     cudaStream_t stream, int active = 0) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, int64_t, int64_t, int, int>, LinearPlan> tuned;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int, int, bool>, LinearPlan> tuned;
+  const bool invariant = batch_invariant();
   if (!tiled_ok) {
     LinearPlan p;
     p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
@@ -190,7 +191,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
   const auto key = std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n),
-                                   static_cast<int64_t>(a.k), groups, active);
+                                   static_cast<int64_t>(a.k), groups, active, invariant);
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = tuned.find(key);
@@ -200,6 +201,21 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     }
   }
   LinearPlan p = best_plan<Fmt>(w, plan_m, a.n, a.k, groups, active);
+  std::vector<LinearPlan> ranked;
+  if (invariant) {
+    // Only the tilings that sum K as the one-row plan does (a deterministic model pick).
+    const LinearPlan anchor = best_plan<Fmt>(w, 1, a.n, a.k, 1, 0);
+    if (!anchor.fallback)
+      ranked = same_k_order(
+          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>, active),
+          anchor);
+    if (ranked.empty()) {
+      p = LinearPlan{};
+      p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
+    } else {
+      p = ranked.front();
+    }
+  }
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   K3_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
   if (!p.fallback && cap == cudaStreamCaptureStatusNone && linear_tuning_enabled() && a.x != a.y) {
@@ -208,9 +224,12 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     SkinnyArgs plain = a;
     plain.add = nullptr;
     plain.res = nullptr;
-    p = tune_plan<Fmt>(
-        linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>, active),
-        plain, stream);
+    if (!invariant)
+      ranked =
+          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>, active);
+    p = tune_plan<Fmt>(ranked, plain, stream);
+  }
+  if (cap == cudaStreamCaptureStatusNone) {
     std::lock_guard<std::mutex> lock(mu);
     tuned.emplace(key, p);
   }

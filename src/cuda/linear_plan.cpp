@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <array>
 #include <cmath>
 #include <cstdlib>
@@ -201,6 +202,30 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
   std::stable_sort(out.begin(), out.end(), [](const LinearPlan& a, const LinearPlan& b) {
     return a.model_us < b.model_us;
   });
+  return out;
+}
+
+namespace {
+std::atomic<bool>& batch_invariant_flag() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("K3_BATCH_INVARIANT");
+    return v != nullptr && std::string(v) == "1";
+  }()};
+  return on;
+}
+}  // namespace
+
+bool batch_invariant() {
+  return batch_invariant_flag().load();
+}
+void set_batch_invariant(bool on) {
+  batch_invariant_flag().store(on);
+}
+
+std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {
+  std::vector<LinearPlan> out;
+  for (const LinearPlan& p : c)
+    if (!p.fallback && p.wk == anchor.wk && p.ck == anchor.ck) out.push_back(p);
   return out;
 }
 

@@ -73,6 +73,17 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d);
 // Registers per thread of the (nt, mt) kernel instantiation, for occupancy (0: unknown).
 using LinearRegs = std::function<int(int nt, int mt)>;
 
+// Batch-invariant GEMMs (K3_BATCH_INVARIANT=1, or set_batch_invariant before the first step):
+// every row count of a weight shape sums K in the order of the shape's one-row plan (its warps
+// along K and cluster split; the row and token tiling is free), so a row's output does not depend
+// on the rows beside it, e.g. a verify's q rows equal q one-row steps bit for bit. Costs speed
+// where a wide batch wants another K split. Where no tiling with that order fits, the generic
+// kernel runs (its order is per row too).
+bool batch_invariant();
+void set_batch_invariant(bool on);
+// The plans of c that sum K in anchor's order (same wk and ck), in c's order.
+std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
+
 // Every valid tiled plan for the problem, cheapest model estimate first (empty when only the
 // fallback applies). The best is what the launchers use; the bench times the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,

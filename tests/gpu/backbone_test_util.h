@@ -14,6 +14,7 @@
 #include "core/rng.h"
 #include "cpu/backbone.h"
 #include "cuda/backbone.h"
+#include "cuda/linear_plan.h"
 #include "model/loaded_model.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
@@ -86,6 +87,23 @@ inline double rel_l2(const std::vector<float>& a, const std::vector<float>& ref)
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// Batch-invariant GEMM plans (cuda::set_batch_invariant) for a scope: set before the backbones
+// of the test are built (their first steps pick the plans).
+struct BatchInvariantScope {
+  bool was;
+  explicit BatchInvariantScope(bool on) : was(cuda::batch_invariant()) {
+    cuda::set_batch_invariant(on);
+  }
+  ~BatchInvariantScope() { cuda::set_batch_invariant(was); }
+  BatchInvariantScope(const BatchInvariantScope&) = delete;
+  BatchInvariantScope& operator=(const BatchInvariantScope&) = delete;
+};
+
+// Rows computed beside others against the same rows alone: bit for bit with batch-invariant
+// plans, else within the batched-rows bounds.
+inline void expect_rows_match(const std::vector<float>& got, const std::vector<float>& want,
+                              bool exact, const std::string& what);
+
 // Expects `got` within the batched-vs-alone bounds of `want`.
 inline void expect_batched_close(const std::vector<float>& got, const std::vector<float>& want,
                                  const std::string& what) {
@@ -95,6 +113,14 @@ inline void expect_batched_close(const std::vector<float>& got, const std::vecto
     worst = std::max(worst, std::fabs(static_cast<double>(got[v]) - want[v]) / r);
   EXPECT_LE(rel_l2(got, want), kLogitRel) << what;
   EXPECT_LE(worst, kBatchedMaxRel) << what;
+}
+
+inline void expect_rows_match(const std::vector<float>& got, const std::vector<float>& want,
+                              bool exact, const std::string& what) {
+  if (exact)
+    EXPECT_TRUE(got == want) << what << ": not bit-identical (rel L2 " << rel_l2(got, want) << ")";
+  else
+    expect_batched_close(got, want, what);
 }
 
 }  // namespace k3

@@ -1,8 +1,9 @@
 // Steps with runs: consecutive rows of one slot are that request's next tokens in order (a
 // prefill chunk, a verify's q positions), all in one step. On every tiny preset (KDA, MLA with
 // and without the DSA indexer, Kimi-Linear) a step of runs gives each token's logits as feeding
-// the tokens one step at a time does (to the batched-rows bound: other GEMM plans), leaves each
-// slot at the same position, and decodes on from there alike, on both paths. Slots whose rows
+// the tokens one step at a time does (to the batched-rows bound: other GEMM plans; bit for bit
+// with batch-invariant plans), leaves each slot at the same position, and decodes on from there
+// alike, on both paths. Slots whose rows
 // are not consecutive, and snapshots beyond those reserved, are refused.
 #include <gtest/gtest.h>
 
@@ -21,8 +22,10 @@ namespace {
 const std::vector<int32_t> kSlots = {0, 0, 0, 0, 0, 1, 2, 2, 2};
 constexpr int kRuns = 3;
 
-void check_runs(const std::string& preset, cuda::StepPath path) {
-  SCOPED_TRACE(preset + (path == cuda::StepPath::Specialized ? " specialized" : " stock"));
+void check_runs(const std::string& preset, cuda::StepPath path, bool exact) {
+  SCOPED_TRACE(preset + (path == cuda::StepPath::Specialized ? " specialized" : " stock") +
+               (exact ? " batch-invariant" : ""));
+  const BatchInvariantScope invariant(exact);
   const LoadedModel& m = tiny_model(preset);
   const size_t V = static_cast<size_t>(m.config.vocab_size);
   const int R = static_cast<int>(kSlots.size());
@@ -53,9 +56,9 @@ void check_runs(const std::string& preset, cuda::StepPath path) {
     single.step(s, tk, path);
     single.logits_to_host(static_cast<int64_t>(s.size()), l.data());
     for (size_t i = 0; i < s.size(); ++i)
-      expect_batched_close({l.begin() + i * V, l.begin() + (i + 1) * V},
-                           {run_logits.begin() + row[i] * V, run_logits.begin() + (row[i] + 1) * V},
-                           "row " + std::to_string(row[i]));
+      expect_rows_match({run_logits.begin() + row[i] * V, run_logits.begin() + (row[i] + 1) * V},
+                        {l.begin() + i * V, l.begin() + (i + 1) * V}, exact,
+                        "row " + std::to_string(row[i]));
   }
   for (int s = 0; s < kRuns; ++s) EXPECT_EQ(runs.position(s), single.position(s)) << "slot " << s;
   EXPECT_EQ(runs.position(0), 5);
@@ -70,18 +73,25 @@ void check_runs(const std::string& preset, cuda::StepPath path) {
     single.logits_to_host(kRuns, b.data());
   }
   for (int s = 0; s < kRuns; ++s)
-    expect_batched_close({a.begin() + s * V, a.begin() + (s + 1) * V},
-                         {b.begin() + s * V, b.begin() + (s + 1) * V},
-                         "decoding on, slot " + std::to_string(s));
+    expect_rows_match({a.begin() + s * V, a.begin() + (s + 1) * V},
+                      {b.begin() + s * V, b.begin() + (s + 1) * V}, exact,
+                      "decoding on, slot " + std::to_string(s));
 }
 
 TEST(CudaRuns, StepOfRunsEqualsTokenByTokenStock) {
   for (const char* preset : {"tiny", "tiny-k3.1", "tiny-kimi-linear"})
-    check_runs(preset, cuda::StepPath::Stock);
+    check_runs(preset, cuda::StepPath::Stock, false);
 }
 TEST(CudaRuns, StepOfRunsEqualsTokenByTokenSpecialized) {
   for (const char* preset : {"tiny", "tiny-k3.1", "tiny-kimi-linear"})
-    check_runs(preset, cuda::StepPath::Specialized);
+    check_runs(preset, cuda::StepPath::Specialized, false);
+}
+// With batch-invariant GEMM plans a token's row computes the same bits whatever rows are beside
+// it, so the run step equals the token-by-token steps exactly.
+TEST(CudaRuns, BatchInvariantRunsAreBitIdentical) {
+  for (const char* preset : {"tiny", "tiny-k3.1", "tiny-kimi-linear"})
+    for (const auto path : {cuda::StepPath::Stock, cuda::StepPath::Specialized})
+      check_runs(preset, path, true);
 }
 
 TEST(CudaRuns, RefusesSplitRunsAndMissingSnapshots) {
