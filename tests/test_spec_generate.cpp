@@ -2,13 +2,14 @@
 // is identical to non-speculative greedy output (tiny and tiny-k3.1, 64 tokens, a repetitive
 // prompt so drafts get accepted), stop conditions hold inside an accepted run, sampled runs are
 // reproducible, and the serving engine with a speculative config streams the same greedy
-// tokens as without.
+// tokens as without; the loop over a StepBackend equals the loop over the backbone.
 #include <gtest/gtest.h>
 
 #include <chrono>
 
 #include "cpu/backbone.h"
 #include "cpu/generate.h"
+#include "serve/backend_generate.h"
 #include "serve/engine.h"
 #include "spec/drafter.h"
 #include "spec/spec_generate.h"
@@ -78,6 +79,25 @@ TEST_P(SpecGenerate, StopConditionsHoldInsideAnAcceptedRun) {
   const auto s = spec::speculative_generate(b, greedy_request(c.prompt, kTokens, false), d, 3);
   EXPECT_EQ(s.result.tokens, ref.tokens);
   EXPECT_EQ(s.result.finish_reason, "stop");
+}
+
+// The same loop over a StepBackend's verify / commit (what `k3 generate --device cuda` runs):
+// on the CPU backend it gives the tokens and acceptance counts of the backbone loop.
+TEST_P(SpecGenerate, OverAStepBackendEqualsTheBackboneLoop) {
+  const LoadedModel& m = test::spec_model(GetParam());
+  const cpu::CpuBackbone b(m.config, m.weights, {DType::BF16, DType::F32});
+  const test::AcceptingCase c = test::accepting_case(b, GetParam(), kTokens);
+  const cpu::GenerateRequest req = greedy_request(c.prompt, kTokens, true);
+  spec::NgramDrafter d1(1, 4), d2(1, 4);
+  const spec::SpecGenerateResult want = spec::speculative_generate(b, req, d1, 3);
+  DeployConfig dc;
+  dc.max_num_seqs = 1;
+  auto backend = serve::make_cpu_backend(LoadedModel::load(m.dir), dc, false, 1);
+  const spec::SpecGenerateResult got = serve::speculative_generate_on(*backend, req, d2, 3);
+  EXPECT_EQ(got.result.tokens, c.plain.tokens);
+  EXPECT_EQ(got.result.tokens, want.result.tokens);
+  EXPECT_EQ(got.stats.accepted, want.stats.accepted);
+  EXPECT_EQ(got.stats.steps, want.stats.steps);
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, SpecGenerate, ::testing::Values("tiny", "tiny-k3.1"));

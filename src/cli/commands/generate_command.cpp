@@ -114,8 +114,16 @@ void run_generate(const GenerateOpts& o) {
     const std::unique_ptr<spec::DraftModel> draft =
         sc.method == "draft_model" ? spec::DraftModel::load(sc.model, cfg) : nullptr;
     const auto drafter = spec::make_drafter(sc, draft.get(), req.sampling);
-    spec::SpecGenerateResult r =
-        spec::speculative_generate(backbone, req, *drafter, sc.num_speculative_tokens, print);
+    // On the GPU the verify steps run on the CUDA backend (q tokens as one step); the draft
+    // model, if any, on the CPU beside it.
+    spec::SpecGenerateResult r;
+    if (device == "cuda") {
+      const auto backend = serve::make_cuda_backend(LoadedModel::load(dir), dc);
+      r = serve::speculative_generate_on(*backend, req, *drafter, sc.num_speculative_tokens,
+                                         print);
+    } else {
+      r = spec::speculative_generate(backbone, req, *drafter, sc.num_speculative_tokens, print);
+    }
     res = std::move(r.result);
     stats = r.stats;
   } else if (multi_rank) {
