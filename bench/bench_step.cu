@@ -183,6 +183,35 @@ double paths_rel_l2(cuda::CudaBackbone& bb, int rows, int64_t ctx, size_t V,
   return std::sqrt(num / std::max(den, 1e-300));
 }
 
+// Prefill of one `tokens`-long prompt on the stock path (as CudaStepBackend feeds it: runs of
+// up to 64 rows of the slot per step), after one untimed pass (graph capture); ms for the whole
+// prompt.
+double time_prefill(cuda::CudaBackbone& bb, const ModelConfig& cfg, int64_t tokens) {
+  const int chunk = std::min(64, bb.max_rows());
+  cudaEvent_t e0, e1;
+  K3_CUDA_CHECK(cudaEventCreate(&e0));
+  K3_CUDA_CHECK(cudaEventCreate(&e1));
+  float ms = 0;
+  for (int pass = 0; pass < 2; ++pass) {
+    bb.reset_slot(0);
+    K3_CUDA_CHECK(cudaEventRecord(e0, bb.stream()));
+    for (int64_t t = 0; t < tokens; t += chunk) {
+      const int n = static_cast<int>(std::min<int64_t>(chunk, tokens - t));
+      const std::vector<int32_t> slots(static_cast<size_t>(n), 0);
+      std::vector<int32_t> toks(static_cast<size_t>(n));
+      for (int r = 0; r < n; ++r)
+        toks[static_cast<size_t>(r)] = static_cast<int32_t>(((t + r) * 7919 + 17) % cfg.vocab_size);
+      bb.step(slots, toks, cuda::StepPath::Stock);
+    }
+    K3_CUDA_CHECK(cudaEventRecord(e1, bb.stream()));
+    K3_CUDA_CHECK(cudaEventSynchronize(e1));
+    K3_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+  }
+  K3_CUDA_CHECK(cudaEventDestroy(e0));
+  K3_CUDA_CHECK(cudaEventDestroy(e1));
+  return ms;
+}
+
 // Speculative verify at batch 1: one request's q tokens as one run of rows (keeping the KDA
 // state after each token, as a verify does), against the q = 1 step, on both paths, at the
 // first context. The floor counts the weights q rows touch and the request's cache once.
@@ -190,12 +219,18 @@ struct VerifyRow {
   int q;
   double stock = 0, spec = 0, floor_ms = 0;
 };
+struct VerifyResult {
+  std::vector<VerifyRow> rows;
+  int64_t prefill_tokens = 0;
+  double prefill_ms = 0;
+};
 
-std::vector<VerifyRow> time_verify(const Args& a, cuda::CudaBackbone& bb, const ModelConfig& cfg,
-                                   const bench::Floor& fl, int64_t margin,
-                                   cuda::DeviceBuffer<uint8_t>& flush) {
-  std::vector<VerifyRow> out;
-  if (a.verify_q.empty()) return out;
+VerifyResult time_verify(const Args& a, cuda::CudaBackbone& bb, const ModelConfig& cfg,
+                         const bench::Floor& fl, int64_t margin,
+                         cuda::DeviceBuffer<uint8_t>& flush) {
+  VerifyResult res;
+  std::vector<VerifyRow>& out = res.rows;
+  if (a.verify_q.empty()) return res;
   const int64_t ctx = a.contexts.front();
   cuda::SlotPoolShape shape;
   shape.slots = 1;
@@ -230,10 +265,14 @@ std::vector<VerifyRow> time_verify(const Args& a, cuda::CudaBackbone& bb, const 
     }
     out.push_back(row);
   }
-  return out;
+  // The same slot then prefills a prompt of the context's length in 64-row runs.
+  res.prefill_tokens = ctx;
+  res.prefill_ms = time_prefill(bb, cfg, ctx);
+  return res;
 }
 
-void print_verify(const std::vector<VerifyRow>& rows) {
+void print_verify(const VerifyResult& v) {
+  const std::vector<VerifyRow>& rows = v.rows;
   if (rows.empty()) return;
   std::printf("\n======== speculative verify, batch 1, q rows of one request ========\n");
   std::printf("%4s %10s %10s %10s %12s %12s\n", "q", "stock ms", "spec ms", "floor ms",
@@ -242,6 +281,11 @@ void print_verify(const std::vector<VerifyRow>& rows) {
     std::printf("%4d %10.3f %10.3f %10.3f %11.2fx %11.2fx\n", r.q, r.stock, r.spec, r.floor_ms,
                 rows[0].stock > 0 ? r.stock / rows[0].stock : 0.0,
                 rows[0].spec > 0 ? r.spec / rows[0].spec : 0.0);
+  std::printf("prefill %lld tokens (stock path, runs of up to 64 rows): %.1f ms, %.0f tokens/s; "
+              "token by token: %lld q = 1 steps, %.0f ms\n",
+              static_cast<long long>(v.prefill_tokens), v.prefill_ms,
+              v.prefill_tokens / (v.prefill_ms * 1e-3), static_cast<long long>(v.prefill_tokens),
+              v.prefill_tokens * rows[0].stock);
 }
 
 int run(const Args& a) {
@@ -383,7 +427,7 @@ int run(const Args& a) {
           const char* what;
           cuda::SpecializedTuning t;
         };
-        std::vector<Flip> flips(6, Flip{"", def});
+        std::vector<Flip> flips(7, Flip{"", def});
         flips[0].what = "PDL edges off";
         flips[0].t.pdl = false;
         flips[1].what = "L2 prefetch on, 24 MB";
@@ -393,13 +437,17 @@ int run(const Args& a) {
         flips[2].t.latent_beside_router = !def.latent_beside_router;
         flips[3].what = def.glu_in_down_proj ? "GLU as its own kernel" : "GLU in the down-proj";
         flips[3].t.glu_in_down_proj = !def.glu_in_down_proj;
-        flips[4].what =
-            def.fold_residual_adds ? "residual adds as kernels" : "residual adds folded";
+        flips[4].what = def.fold_residual_adds ? "attention residual as a kernel"
+                                               : "attention residual in the o-proj store";
         flips[4].t.fold_residual_adds = !def.fold_residual_adds;
-        flips[5].what = "run 9's choices: latent after router, GLU kernel, add kernels";
-        flips[5].t.latent_beside_router = false;
-        flips[5].t.glu_in_down_proj = false;
-        flips[5].t.fold_residual_adds = false;
+        flips[5].what = def.fold_moe_residual ? "MoE residual adds as kernels"
+                                              : "MoE residual adds in the latent-up store";
+        flips[5].t.fold_moe_residual = !def.fold_moe_residual;
+        flips[6].what = "run 9's choices: latent after router, GLU kernel, add kernels";
+        flips[6].t.latent_beside_router = false;
+        flips[6].t.glu_in_down_proj = false;
+        flips[6].t.fold_residual_adds = false;
+        flips[6].t.fold_moe_residual = false;
         for (const Flip& f : flips) {
           bb.set_specialized_tuning(f.t);
           for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
@@ -414,7 +462,7 @@ int run(const Args& a) {
       table.push_back(row);
     }
   }
-  const std::vector<VerifyRow> verify = time_verify(a, bb, cfg, fl, margin, flush);
+  const VerifyResult verify = time_verify(a, bb, cfg, fl, margin, flush);
   for (const auto& p : profiles) std::printf("%s\n", p.c_str());
   std::printf("\n================ summary (%d layers) ================\n", cfg.num_hidden_layers);
   std::printf("%6s %8s %10s %10s %10s %9s %9s %10s %9s\n", "batch", "context", "stock ms",

@@ -253,7 +253,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
   moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
               cfg_.rms_norm_eps, routed, stream_, b.group_pos.data());
-  if (up && opt_.tuning.fold_residual_adds) {
+  if (up && opt_.tuning.fold_moe_residual) {
     // The latent up-projection's store adds the shared experts' output (sub = routed + shared)
     // and the layer's residual (P += sub), rounding as the separate adds.
     if (shared) join_side();

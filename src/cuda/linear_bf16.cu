@@ -14,6 +14,7 @@ namespace detail {
 namespace {
 
 struct Bf16Format {
+  using PlanKey = Bf16Format;  // its plans (linear_launch.cuh: tuned_plans)
   static constexpr int kChunk = 64;
   static constexpr bool kXPermute = false;
   static constexpr bool kGluInput = false;

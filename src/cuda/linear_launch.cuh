@@ -176,11 +176,22 @@ LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
 // Launches a.m x a.n x a.k (groups slots, `active` of them expected busy: LinearPlan) with the
 // tuned plan of the shape, tuning it first where allowed; `tiled_ok`: the operands meet the
 // tiled kernel's alignment (else the fallback).
+// The tuned plans of one plan family (Fmt::PlanKey): formats that differ only in how they stage
+// x (the GLU input) share the plans of the weight format, so a fused launch sums K exactly as
+// the plain launch it replaces.
+using TunedKey = std::tuple<int, int, int64_t, int64_t, int, int, bool>;
+template <class PlanKey>
+std::pair<std::mutex&, std::map<TunedKey, LinearPlan>&> tuned_plans() {
+  static std::mutex mu;
+  static std::map<TunedKey, LinearPlan> tuned;
+  return {mu, tuned};
+}
+
 template <class Fmt>
 void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
                     cudaStream_t stream, int active = 0) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, int64_t, int64_t, int, int, bool>, LinearPlan> tuned;
+  using Key = typename Fmt::PlanKey;
+  auto [mu, tuned] = tuned_plans<Key>();
   const bool invariant = batch_invariant();
   if (!tiled_ok) {
     LinearPlan p;
@@ -200,14 +211,14 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
       return;
     }
   }
-  LinearPlan p = best_plan<Fmt>(w, plan_m, a.n, a.k, groups, active);
+  LinearPlan p = best_plan<Key>(w, plan_m, a.n, a.k, groups, active);
   std::vector<LinearPlan> ranked;
   if (invariant) {
     // Only the tilings that sum K as the one-row plan does (a deterministic model pick).
-    const LinearPlan anchor = best_plan<Fmt>(w, 1, a.n, a.k, 1, 0);
+    const LinearPlan anchor = best_plan<Key>(w, 1, a.n, a.k, 1, 0);
     if (!anchor.fallback)
       ranked = same_k_order(
-          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>, active),
+          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active),
           anchor);
     if (ranked.empty()) {
       p = LinearPlan{};
@@ -226,7 +237,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     plain.res = nullptr;
     if (!invariant)
       ranked =
-          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Fmt>, active);
+          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active);
     p = tune_plan<Fmt>(ranked, plain, stream);
   }
   if (cap == cudaStreamCaptureStatusNone) {

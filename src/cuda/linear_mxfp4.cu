@@ -31,6 +31,7 @@ __device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
 }
 
 struct Mxfp4Format {
+  using PlanKey = Mxfp4Format;  // its plans (linear_launch.cuh: tuned_plans)
   static constexpr int kChunk = 256;
   static constexpr bool kXPermute = true;
   static constexpr bool kGluInput = false;

@@ -296,9 +296,10 @@ TEST(CudaBackbone, GraphReplayEqualsEager) {
 
 TEST(CudaBackbone, RefusesBadSteps) {
   const LoadedModel& m = tiny_model("tiny");
-  cuda::CudaBackbone g(m.config, m.weights, options(2, true, 4));
-  const std::vector<int32_t> dup = {0, 0}, toks = {1, 2};
-  EXPECT_THROW(g.step(dup, toks), Error);
+  cuda::CudaBackbone g(m.config, m.weights, options(3, true, 4));
+  // A slot's rows must be consecutive (a run); {0, 1, 0} would give slot 0 two runs.
+  const std::vector<int32_t> split = {0, 1, 0}, toks = {1, 2, 3};
+  EXPECT_THROW(g.step(split, toks), Error);
   const int32_t slot = 0, bad = static_cast<int32_t>(m.config.vocab_size);
   EXPECT_THROW(g.step({&slot, 1}, {&bad, 1}), Error);
   const int32_t tok = 1;

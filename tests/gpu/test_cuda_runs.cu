@@ -3,8 +3,7 @@
 // and without the DSA indexer, Kimi-Linear) a step of runs gives each token's logits as feeding
 // the tokens one step at a time does (to the batched-rows bound: other GEMM plans; bit for bit
 // with batch-invariant plans), leaves each slot at the same position, and decodes on from there
-// alike, on both paths. Slots whose rows
-// are not consecutive, and snapshots beyond those reserved, are refused.
+// alike, on both paths. Snapshots beyond those reserved and runs past the context are refused.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -94,13 +93,12 @@ TEST(CudaRuns, BatchInvariantRunsAreBitIdentical) {
       check_runs(preset, path, true);
 }
 
-TEST(CudaRuns, RefusesSplitRunsAndMissingSnapshots) {
+// (Split runs are refused in CudaBackbone.RefusesBadSteps.)
+TEST(CudaRuns, RefusesMissingSnapshotsAndRunsPastTheContext) {
   const LoadedModel& m = tiny_model("tiny");
   cuda::CudaBackboneOptions o = options(4, false);
   cuda::CudaBackbone g(m.config, m.weights, o);
-  const std::vector<int32_t> split = {0, 1, 0}, toks = {1, 2, 3};
-  EXPECT_THROW(g.step(split, toks), Error) << "slot 0 in two runs";
-  const std::vector<int32_t> run = {0, 0, 0};
+  const std::vector<int32_t> run = {0, 0, 0}, toks = {1, 2, 3};
   EXPECT_THROW(g.step(run, toks, cuda::StepPath::Stock, /*keep_kda_states=*/true), Error)
       << "no snapshots reserved";
   g.reserve_snapshots(2);
@@ -108,9 +106,8 @@ TEST(CudaRuns, RefusesSplitRunsAndMissingSnapshots) {
   EXPECT_EQ(g.position(0), 3);
   cuda::CudaBackboneOptions small = options(4, false, /*context=*/4);
   cuda::CudaBackbone h(m.config, m.weights, small);
-  const std::vector<int32_t> five = {0, 0, 0, 0};
-  h.step(run, toks);
-  EXPECT_THROW(h.step({five.data(), 2}, {toks.data(), 2}), Error) << "run past the context";
+  h.step(run, toks);  // 3 of 4 tokens
+  EXPECT_THROW(h.step({run.data(), 2}, {toks.data(), 2}), Error) << "run past the context";
 }
 
 }  // namespace

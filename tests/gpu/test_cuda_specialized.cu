@@ -142,12 +142,13 @@ TEST(CudaSpecialized, MatchesStockWithinBf16NoiseFloorTinyK31) {
 }
 
 // The non-default choices of SpecializedTuning compute the same function (the latent
-// down-projection on the side stream, the GLU as its own kernel, the residual adds as kernels).
+// down-projection placement, the GLU as its own kernel, each residual fold flipped).
 TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   cuda::SpecializedTuning t;
   t.latent_beside_router = !t.latent_beside_router;
   t.glu_in_down_proj = !t.glu_in_down_proj;
   t.fold_residual_adds = !t.fold_residual_adds;
+  t.fold_moe_residual = !t.fold_moe_residual;
   t.pdl = false;
   for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
     const auto d = teacher_forced(

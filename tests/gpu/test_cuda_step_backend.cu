@@ -84,6 +84,7 @@ void check_verify(const char* preset, bool exact) {
     DeployConfig d;
     d.max_num_seqs = 1;
     d.max_model_len = 64;
+    d.speculative_config.method = "ngram";
     d.speculative_config.num_speculative_tokens = 3;
     auto spec = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
     auto plain = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
@@ -145,7 +146,8 @@ TEST(CudaStepBackend, SpeculativeGenerateEqualsPlainGreedy) {
   DeployConfig d;
   d.max_num_seqs = 2;
   d.max_model_len = 256;
-  d.speculative_config.num_speculative_tokens = 3;
+  d.speculative_config.method = "ngram";
+    d.speculative_config.num_speculative_tokens = 3;
   auto backend = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
   cpu::GenerateRequest req;
   req.prompt = test::repetitive_prompt(7, 4, 4);
