@@ -247,10 +247,10 @@ VerifyResult time_verify(const Args& a, cuda::CudaBackbone& bb, const ModelConfi
   for (const int q : qs) {
     VerifyRow row{q};
     // Rows of one request: its cache is read once, its experts are those q rows pick.
-    row.floor_ms = (bench::floor_bytes(fl, cfg, q, ctx) -
-                    (q - 1) * (bench::floor_bytes(fl, cfg, 1, ctx) -
-                               bench::floor_bytes(fl, cfg, 1, 0))) /
-                   (kPeakTBps * 1e12) * 1e3;
+    row.floor_ms =
+        (bench::floor_bytes(fl, cfg, q, ctx) -
+         (q - 1) * (bench::floor_bytes(fl, cfg, 1, ctx) - bench::floor_bytes(fl, cfg, 1, 0))) /
+        (kPeakTBps * 1e12) * 1e3;
     const std::vector<int32_t> slots(static_cast<size_t>(q), 0);
     std::vector<int32_t> toks(static_cast<size_t>(q));
     for (int r = 0; r < q; ++r)
@@ -275,17 +275,18 @@ void print_verify(const VerifyResult& v) {
   const std::vector<VerifyRow>& rows = v.rows;
   if (rows.empty()) return;
   std::printf("\n======== speculative verify, batch 1, q rows of one request ========\n");
-  std::printf("%4s %10s %10s %10s %12s %12s\n", "q", "stock ms", "spec ms", "floor ms",
-              "stock/q=1", "spec/q=1");
+  std::printf("%4s %10s %10s %10s %12s %12s\n", "q", "stock ms", "spec ms", "floor ms", "stock/q=1",
+              "spec/q=1");
   for (const VerifyRow& r : rows)
     std::printf("%4d %10.3f %10.3f %10.3f %11.2fx %11.2fx\n", r.q, r.stock, r.spec, r.floor_ms,
                 rows[0].stock > 0 ? r.stock / rows[0].stock : 0.0,
                 rows[0].spec > 0 ? r.spec / rows[0].spec : 0.0);
-  std::printf("prefill %lld tokens (stock path, runs of up to 64 rows): %.1f ms, %.0f tokens/s; "
-              "token by token: %lld q = 1 steps, %.0f ms\n",
-              static_cast<long long>(v.prefill_tokens), v.prefill_ms,
-              v.prefill_tokens / (v.prefill_ms * 1e-3), static_cast<long long>(v.prefill_tokens),
-              v.prefill_tokens * rows[0].stock);
+  std::printf(
+      "prefill %lld tokens (stock path, runs of up to 64 rows): %.1f ms, %.0f tokens/s; "
+      "token by token: %lld q = 1 steps, %.0f ms\n",
+      static_cast<long long>(v.prefill_tokens), v.prefill_ms,
+      v.prefill_tokens / (v.prefill_ms * 1e-3), static_cast<long long>(v.prefill_tokens),
+      v.prefill_tokens * rows[0].stock);
 }
 
 int run(const Args& a) {

@@ -366,8 +366,7 @@ void CudaBackbone::logits_to_host(int64_t rows, float* out) {
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaBackbone::logits_rows_to_host(std::span<const int64_t> rows,
-                                       std::span<float* const> out) {
+void CudaBackbone::logits_rows_to_host(std::span<const int64_t> rows, std::span<float* const> out) {
   K3_CHECK(rows.size() == out.size(), "logits_rows_to_host: ", rows.size(), " rows, ", out.size(),
            " outputs");
   const auto V = static_cast<size_t>(cfg_.vocab_size);

@@ -172,7 +172,8 @@ class CudaBackbone {
   // Specialized providers (backbone_fused.cu).
   // out: the o-projection's store epilogue (the specialized step folds the residual in).
   void attn_kda_fused(int layer, int64_t rows, const LinearEpilogue& out);
-  // True when the layer's residual add (P += sub) was folded into the latent up-projection.
+  // True when the layer's residual add (P += sub) is done: in the latent up-projection's store
+  // (fold_moe_residual) or in one launch with the shared experts' add.
   bool ffn_moe_fused(int layer, int64_t rows);
   void ffn_dense_fused(int layer, int64_t rows);
   void mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t rows);

@@ -274,8 +274,9 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     return false;
   }
   join_side();
-  add_bf16(routed, b.shared.data(), R * H, b.sub.data(), stream_);
-  return false;
+  // sub = routed + shared, then P += sub, in one launch.
+  add_bf16_residual(routed, b.shared.data(), R * H, b.sub.data(), b.P.data(), stream_);
+  return true;
 }
 
 }  // namespace k3::cuda

@@ -108,8 +108,7 @@ class CudaBackend final : public serve::StepBackend {
     for (const auto& r : rows) {
       K3_CHECK(!r.tokens.empty(), "a verify row needs at least one token");
       K3_CHECK(static_cast<int>(r.tokens.size()) <= backbone_->max_rows(), "a verify of ",
-               r.tokens.size(), " tokens exceeds the ", backbone_->max_rows(),
-               " rows of one step");
+               r.tokens.size(), " tokens exceeds the ", backbone_->max_rows(), " rows of one step");
       const int s = slot_of(r.state);
       rs.push_back({s, r.tokens, r.logits, r.hidden, /*all_logits=*/true});
       q_max = std::max(q_max, r.tokens.size());

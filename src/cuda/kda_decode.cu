@@ -122,14 +122,14 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
   const int64_t slot = slot32;
   const bool keep = snap.enabled != nullptr && *snap.enabled != 0;
 
-  __shared__ float qkv[B][3][D];           // post-conv q, k, v per token (q, k then L2-normed)
-  __shared__ float alpha[B][D];            // exp(g) per token and key channel
-  __shared__ float beta[B];                // sigmoid(b) per token
-  __shared__ float inv[B][2];              // 1/|q|, 1/|k| per token
-  __shared__ float part[C::kGroups][D];    // per-row-group partial S^T k (one token at a time)
+  __shared__ float qkv[B][3][D];             // post-conv q, k, v per token (q, k then L2-normed)
+  __shared__ float alpha[B][D];              // exp(g) per token and key channel
+  __shared__ float beta[B];                  // sigmoid(b) per token
+  __shared__ float inv[B][2];                // 1/|q|, 1/|k| per token
+  __shared__ float part[C::kGroups][D];      // per-row-group partial S^T k (one token at a time)
   __shared__ float opart[B][C::kGroups][D];  // per-row-group partial S^T q per token
-  __shared__ float osq[B][kColWarps];      // warp sums of o^2 per token
-  __shared__ float ud[D];                  // the delta-rule update u_j
+  __shared__ float osq[B][kColWarps];        // warp sums of o^2 per token
+  __shared__ float ud[D];                    // the delta-rule update u_j
 
   // The owned rows of column j stay in registers for the whole run.
   const int j = tid % D, grp = tid / D, i0 = grp * C::kRpt;
@@ -182,7 +182,8 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
                                                 : w.gate_lower_bound * sigmoid_f(a_scale * a);
       alpha[tb][d] = expf(g);
     }
-    if (tid < nb) beta[tid] = sigmoid_f(__bfloat162float(beta_logit[(first + t0 + tid) * ld.beta + h]));
+    if (tid < nb)
+      beta[tid] = sigmoid_f(__bfloat162float(beta_logit[(first + t0 + tid) * ld.beta + h]));
     __syncthreads();
 
     // 2. L2 norms (FLA: eps inside the root): one warp per (token, q or k).
@@ -222,10 +223,10 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
       __syncthreads();
       const float uj = ud[j];
       const bool keep_t = save(t0 + tb);
-      StateT* snap_S = keep_t ? static_cast<StateT*>(snap.state) +
-                                    (((t0 + tb) * snap.slots + slot) * heads + h) *
-                                        static_cast<int64_t>(D) * D
-                              : nullptr;
+      StateT* snap_S =
+          keep_t ? static_cast<StateT*>(snap.state) +
+                       (((t0 + tb) * snap.slots + slot) * heads + h) * static_cast<int64_t>(D) * D
+                 : nullptr;
       acc = 0.0f;
 #pragma unroll
       for (int r = 0; r < C::kRpt; ++r) {
@@ -293,26 +294,26 @@ void launch(const __nv_bfloat16* u, const __nv_bfloat16* f, const __nv_bfloat16*
   ld.f = resolve(ld.f, P, "f");
   ld.beta = resolve(ld.beta, sh.heads, "beta_logit");
   ld.z = resolve(ld.z, P, "z");
-  K3_CHECK(snap.enabled == nullptr || (snap.count >= 1 && snap.slots >= 1 && snap.state &&
-                                        (sh.kernel == 1 || snap.conv)),
+  K3_CHECK(snap.enabled == nullptr ||
+               (snap.count >= 1 && snap.slots >= 1 && snap.state && (sh.kernel == 1 || snap.conv)),
            "kda_decode_step: snapshots without buffers");
   if (sh.rows == 0) return;
   const dim3 grid(static_cast<unsigned>(sh.heads), static_cast<unsigned>(sh.rows));
   switch (sh.head_dim) {
     case 32:
-      kda_decode_kernel<32, StateT><<<grid, Cfg<32>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld,
-          snap);
+      kda_decode_kernel<32, StateT>
+          <<<grid, Cfg<32>::kThreads, 0, stream>>>(u, f, beta_logit, z, w, slot_of_row, conv_state,
+                                                   state, out, sh.heads, sh.kernel, ld, snap);
       break;
     case 64:
-      kda_decode_kernel<64, StateT><<<grid, Cfg<64>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld,
-          snap);
+      kda_decode_kernel<64, StateT>
+          <<<grid, Cfg<64>::kThreads, 0, stream>>>(u, f, beta_logit, z, w, slot_of_row, conv_state,
+                                                   state, out, sh.heads, sh.kernel, ld, snap);
       break;
     case 128:
-      kda_decode_kernel<128, StateT><<<grid, Cfg<128>::kThreads, 0, stream>>>(
-          u, f, beta_logit, z, w, slot_of_row, conv_state, state, out, sh.heads, sh.kernel, ld,
-          snap);
+      kda_decode_kernel<128, StateT>
+          <<<grid, Cfg<128>::kThreads, 0, stream>>>(u, f, beta_logit, z, w, slot_of_row, conv_state,
+                                                    state, out, sh.heads, sh.kernel, ld, snap);
       break;
     default:
       fail("kda_decode_step: head_dim ", sh.head_dim, " unsupported (32, 64, 128)");

@@ -63,6 +63,26 @@ __global__ void add_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64
   store_bf16x8(out + i, vec && nv == 8, nv, x);
 }
 
+__global__ void add_residual_kernel(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
+                                    __nv_bfloat16* sum, __nv_bfloat16* res, bool vec) {
+  K3_PDL_ENTRY();
+  // a, b, sum, res [n]: sum = a + b, then res += sum, each rounded to bf16 as two add_bf16.
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (i >= n) return;
+  const int nv = static_cast<int>(imin(8, n - i));
+  float x[8], y[8], r[8];
+  load_bf16x8(a + i, vec && nv == 8, nv, x);
+  load_bf16x8(b + i, vec && nv == 8, nv, y);
+  load_bf16x8(res + i, vec && nv == 8, nv, r);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    x[k] = __bfloat162float(__float2bfloat16_rn(x[k] + y[k]));
+    r[k] += x[k];
+  }
+  store_bf16x8(sum + i, vec && nv == 8, nv, x);
+  store_bf16x8(res + i, vec && nv == 8, nv, r);
+}
+
 // ---- latent cache append ----
 __global__ void cache_append_kernel(const __nv_bfloat16* __restrict__ kv, int width,
                                     const int32_t* __restrict__ block_table, int max_pages,
@@ -236,6 +256,16 @@ void add_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, __nv_bf
   if (n == 0) return;
   const bool vec = aligned16(a) && aligned16(b) && aligned16(out);
   add_kernel<<<blocks_for(n, kRowThreads * 8), kRowThreads, 0, stream>>>(a, b, n, out, vec);
+  K3_CUDA_CHECK_LAUNCH();
+}
+
+void add_bf16_residual(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
+                       __nv_bfloat16* sum, __nv_bfloat16* res, cudaStream_t stream) {
+  K3_CHECK(n >= 0, "cuda::add_bf16_residual: n ", n);
+  if (n == 0) return;
+  const bool vec = aligned16(a) && aligned16(b) && aligned16(sum) && aligned16(res);
+  add_residual_kernel<<<blocks_for(n, kRowThreads * 8), kRowThreads, 0, stream>>>(a, b, n, sum,
+                                                                                  res, vec);
   K3_CUDA_CHECK_LAUNCH();
 }
 

@@ -21,6 +21,11 @@ void embed_rows(const __nv_bfloat16* embed, int64_t vocab, int64_t hidden, const
 void add_bf16(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n, __nv_bfloat16* out,
               cudaStream_t stream);
 
+// sum[i] = bf16(a[i] + b[i]), then res[i] = bf16(res[i] + sum[i]): two add_bf16 in one launch
+// (the MoE output = routed + shared, then the layer residual), rounding as they do.
+void add_bf16_residual(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n,
+                       __nv_bfloat16* sum, __nv_bfloat16* res, cudaStream_t stream);
+
 // MLA query absorption (cpu::mla_absorbed_decode, q~ = W_uk^T q_nope, rounded to bf16):
 // q:     [rows][heads][nope + rope] bf16 (the q_b / q_proj output)
 // kv_b:  [heads * (nope + v), kv_lora] bf16; head h rows h*(nope+v) + [0, nope) are W_uk

@@ -21,7 +21,8 @@ class CpuTarget final : public SpecTarget {
   void prefill(std::span<const int64_t> prompt, float* logits, float* hidden) override {
     const auto H = static_cast<size_t>(m_.config().hidden_size);
     if (!hidden) {
-      const std::vector<float> l = m_.prefill(st_, std::vector<int64_t>(prompt.begin(), prompt.end()));
+      const std::vector<float> l =
+          m_.prefill(st_, std::vector<int64_t>(prompt.begin(), prompt.end()));
       std::copy(l.begin(), l.end(), logits);
       return;
     }

@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu/kda_test_util.h"
@@ -54,7 +54,9 @@ struct Snapshots {
   DeviceBuffer<uint8_t> state;
   DeviceBuffer<int32_t> enabled;
   size_t conv_per_slot, state_bytes_per_slot;
-  cuda::KdaSnapshots view() { return {conv.data(), state.data(), kSlots, kMaxRun - 1, enabled.data()}; }
+  cuda::KdaSnapshots view() {
+    return {conv.data(), state.data(), kSlots, kMaxRun - 1, enabled.data()};
+  }
 };
 Snapshots make_snapshots(const Case& c, int64_t P, bool enabled) {
   Snapshots s;
@@ -110,7 +112,8 @@ void run_case(Case c, bool keep) {
     const std::vector<uint16_t> oh = cuda::to_host<uint16_t>(o);
     for (size_t i = 0; i < rows.size(); ++i)
       std::copy_n(oh.begin() + i * Pz, Pz, single_out.begin() + rows[i].first * Pz);
-    for (const auto& [r, s] : rows) runs.cpu_row(r, in.u, in.f, in.b, in.z, cpu_out.data() + r * Pz);
+    for (const auto& [r, s] : rows)
+      runs.cpu_row(r, in.u, in.f, in.b, in.z, cpu_out.data() + r * Pz);
     // Snapshot t of each slot whose run goes past token t: the state after it.
     if (t + 1 >= kMaxRun) continue;
     const std::vector<uint16_t> conv_now = cuda::to_host<uint16_t>(single.d_conv_state);
@@ -128,8 +131,8 @@ void run_case(Case c, bool keep) {
       const std::vector<uint16_t> conv_got(conv_snap.begin() + ci, conv_snap.begin() + ci + cs);
       const std::vector<uint8_t> state_got(state_snap.begin() + si, state_snap.begin() + si + ss);
       if (want) {
-        EXPECT_EQ(conv_got, std::vector<uint16_t>(conv_now.begin() + s * cs,
-                                                  conv_now.begin() + (s + 1) * cs))
+        EXPECT_EQ(conv_got,
+                  std::vector<uint16_t>(conv_now.begin() + s * cs, conv_now.begin() + (s + 1) * cs))
             << "conv snapshot " << t << " of slot " << s;
         EXPECT_EQ(state_got, std::vector<uint8_t>(state_now.begin() + s * ss,
                                                   state_now.begin() + (s + 1) * ss))
@@ -142,7 +145,8 @@ void run_case(Case c, bool keep) {
   }
   EXPECT_EQ(run_out, single_out) << "out: runs vs one token per launch";
   EXPECT_EQ(runs.device_state(), single.device_state()) << "state (every slot)";
-  EXPECT_EQ(cuda::to_host<uint16_t>(runs.d_conv_state), cuda::to_host<uint16_t>(single.d_conv_state))
+  EXPECT_EQ(cuda::to_host<uint16_t>(runs.d_conv_state),
+            cuda::to_host<uint16_t>(single.d_conv_state))
       << "conv window (every slot)";
   // Against the CPU: carried 4 tokens on each side, so a bf16 state may drift by a few flips.
   const Tol out_tol = c.bf16_state ? Tol{2.0, 4e-3} : kOut;

@@ -28,15 +28,26 @@
 namespace k3 {
 namespace {
 
+// The CUDA backend over a fresh mapping of m: seqs slots of len tokens; with spec_tokens > 0 an
+// n-gram speculative config (its KDA snapshots reserved at load).
+std::unique_ptr<serve::StepBackend> cuda_backend(const LoadedModel& m, int seqs, int64_t len,
+                                                 int spec_tokens = 0) {
+  DeployConfig d;
+  d.max_num_seqs = seqs;
+  d.max_model_len = len;
+  if (spec_tokens > 0) {
+    d.speculative_config.method = "ngram";
+    d.speculative_config.num_speculative_tokens = spec_tokens;
+  }
+  return cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
+}
+
 // The serving engine's StepBackend over the CUDA step: generate_on (prefill as one multi-token
 // row, then one token per forward) gives the tokens of the backbone driven directly, and slots
 // are handed out up to max_num_seqs and come back when their state is dropped.
 TEST(CudaStepBackend, GenerateEqualsBackboneAndManagesSlots) {
   const LoadedModel& m = tiny_model("tiny-kimi-linear");
-  DeployConfig d;
-  d.max_num_seqs = 2;
-  d.max_model_len = 128;
-  auto backend = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
+  auto backend = cuda_backend(m, 2, 128);
   cpu::GenerateRequest req;
   req.prompt = random_prompt(m.config, 31, 6);
   req.max_new_tokens = 16;
@@ -81,13 +92,8 @@ void check_verify(const char* preset, bool exact) {
     SCOPED_TRACE(std::string(preset) + (exact ? " batch-invariant" : ""));
     const BatchInvariantScope invariant(exact);
     const LoadedModel& m = tiny_model(preset);
-    DeployConfig d;
-    d.max_num_seqs = 1;
-    d.max_model_len = 64;
-    d.speculative_config.method = "ngram";
-    d.speculative_config.num_speculative_tokens = 3;
-    auto spec = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
-    auto plain = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
+    auto spec = cuda_backend(m, 1, 64, 3);
+    auto plain = cuda_backend(m, 1, 64, 3);
     const size_t V = static_cast<size_t>(m.config.vocab_size);
     const size_t H = static_cast<size_t>(m.config.hidden_size);
     const std::vector<int64_t> prompt = random_prompt(m.config, 41, 5);
@@ -107,8 +113,8 @@ void check_verify(const char* preset, bool exact) {
       spec->verify({&v, 1});
       EXPECT_EQ(a->position(), static_cast<int64_t>(prompt.size() + 4));
       for (int64_t i = 0; i < consumed; ++i) {
-        const serve::StepRow s{b.get(), {&draft[static_cast<size_t>(i)], 1}, step_logits.data(),
-                               step_hidden.data()};
+        const serve::StepRow s{
+            b.get(), {&draft[static_cast<size_t>(i)], 1}, step_logits.data(), step_hidden.data()};
         plain->forward({&s, 1});
         expect_rows_match({verify_logits.begin() + i * V, verify_logits.begin() + (i + 1) * V},
                           step_logits, exact, "verify row " + std::to_string(i));
@@ -143,12 +149,7 @@ TEST(CudaStepBackend, BatchInvariantVerifyIsBitIdentical) {
 TEST(CudaStepBackend, SpeculativeGenerateEqualsPlainGreedy) {
   const BatchInvariantScope invariant(true);
   const LoadedModel& m = tiny_model("tiny");
-  DeployConfig d;
-  d.max_num_seqs = 2;
-  d.max_model_len = 256;
-  d.speculative_config.method = "ngram";
-    d.speculative_config.num_speculative_tokens = 3;
-  auto backend = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
+  auto backend = cuda_backend(m, 2, 256, 3);
   cpu::GenerateRequest req;
   req.prompt = test::repetitive_prompt(7, 4, 4);
   req.max_new_tokens = 40;
@@ -171,10 +172,7 @@ TEST(CudaStepBackend, SpeculativeGenerateEqualsPlainGreedy) {
 // logits equal those of feeding it one token per step.
 TEST(CudaStepBackend, ChunkedPrefillEqualsTokenByToken) {
   const LoadedModel& m = tiny_model("tiny");
-  DeployConfig d;
-  d.max_num_seqs = 2;
-  d.max_model_len = 256;
-  auto backend = cuda::make_cuda_step_backend(LoadedModel::load(m.dir), d);
+  auto backend = cuda_backend(m, 2, 256);
   const size_t V = static_cast<size_t>(m.config.vocab_size);
   const std::vector<int64_t> prompt = random_prompt(m.config, 43, 150);  // 64 + 64 + 22
   auto a = backend->new_state();

@@ -137,6 +137,30 @@ TEST(CudaStepOps, AddBf16MatchesFp32AddAndAliases) {
   }
 }
 
+// The fused pair sum = a + b, res += sum equals the two add_bf16 launches bit for bit.
+TEST(CudaStepOps, AddBf16ResidualEqualsTwoAdds) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  for (int64_t n : {int64_t{7168} * 3, int64_t{1001}}) {
+    const std::vector<uint16_t> a = test::random_bf16(rng, static_cast<size_t>(n));
+    const std::vector<uint16_t> b = test::random_bf16(rng, static_cast<size_t>(n), 3.0f);
+    const std::vector<uint16_t> p = test::random_bf16(rng, static_cast<size_t>(n), 2.0f);
+    auto da = cuda::to_device<bf16>(a);
+    auto db = cuda::to_device<bf16>(b);
+    auto p_two = cuda::to_device<bf16>(p);
+    auto p_one = cuda::to_device<bf16>(p);
+    DeviceBuffer<bf16> s_two(a.size()), s_one(a.size());
+    s_one.fill_bytes(0xff);
+    cuda::add_bf16(da.data(), db.data(), n, s_two.data(), nullptr);
+    cuda::add_bf16(p_two.data(), s_two.data(), n, p_two.data(), nullptr);
+    cuda::add_bf16_residual(da.data(), db.data(), n, s_one.data(), p_one.data(), nullptr);
+    EXPECT_TRUE(bits_host(s_one) == bits_host(s_two)) << "sum, n " << n;
+    EXPECT_TRUE(bits_host(p_one) == bits_host(p_two)) << "residual, n " << n;
+    EXPECT_FALSE(bits_host(p_one) == p) << "the residual must change";
+  }
+}
+
 // ============================== mla_absorb_q ==============================
 
 void check_absorb(const MlaShape& s, int64_t rows) {

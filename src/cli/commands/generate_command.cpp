@@ -119,8 +119,7 @@ void run_generate(const GenerateOpts& o) {
     spec::SpecGenerateResult r;
     if (device == "cuda") {
       const auto backend = serve::make_cuda_backend(LoadedModel::load(dir), dc);
-      r = serve::speculative_generate_on(*backend, req, *drafter, sc.num_speculative_tokens,
-                                         print);
+      r = serve::speculative_generate_on(*backend, req, *drafter, sc.num_speculative_tokens, print);
     } else {
       r = spec::speculative_generate(backbone, req, *drafter, sc.num_speculative_tokens, print);
     }
