@@ -431,8 +431,8 @@ int run(const Args& a) {
         std::vector<Flip> flips(7, Flip{"", def});
         flips[0].what = "PDL edges off";
         flips[0].t.pdl = false;
-        flips[1].what = "L2 prefetch on, 24 MB";
-        flips[1].t.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
+        flips[1].what = def.l2_prefetch_bytes > 0 ? "L2 prefetch off" : "L2 prefetch on, 24 MB";
+        flips[1].t.l2_prefetch_bytes = def.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;
         flips[2].what = def.latent_beside_router ? "latent down after the router"
                                                  : "latent down beside the router";
         flips[2].t.latent_beside_router = !def.latent_beside_router;

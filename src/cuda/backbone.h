@@ -41,14 +41,17 @@ enum class StepPath {
   Specialized,  // latency_specialized: fused providers, PDL-chained graphs (backbone_fused.cu)
 };
 
+// The L2 prefetch budget of the specialized path (and what k3_bench_step flips it against).
+constexpr size_t kL2PrefetchTrialBytes = 24u << 20;
+
 // Choices of the specialized path kept only where they measure faster (k3_bench_step times each
 // against the default on the full rank; bench/RESULTS.md).
 struct SpecializedTuning {
   bool pdl = true;  // programmatic kernel -> kernel edges in the graphs (graph_pdl.h)
-  // Bytes of the next weights warmed into L2 beside the latency-bound KDA recurrence; 0: off.
-  // Off by default: no gain measured on the H200 (the PDL edges already start each GEMM's
-  // weight stream while the kernel before it drains).
-  size_t l2_prefetch_bytes = 0;
+  // Bytes of the next weights (o_proj) warmed into L2 beside the latency-bound KDA recurrence;
+  // 0: off. It lost 5% while the KDA kernel was short; beside the blocked run kernel it gained
+  // 3.6% / 4.5% at batch 1, 1k / 32k (run 11).
+  size_t l2_prefetch_bytes = kL2PrefetchTrialBytes;
   // The latent down-projection on the side stream beside the router GEMM and top-k (the shared
   // experts then follow it there) instead of after them on the main stream. On: -1.1% / -1.8%
   // at batch 1, 1k, in two runs (one earlier run saw no gain).
@@ -56,8 +59,8 @@ struct SpecializedTuning {
   // The expert down-projection applies the GLU while staging its input (no GLU launch).
   bool glu_in_down_proj = true;
   // The attention residual add (P += sub, or P = sub at a restart) in the o-projection's store
-  // instead of a kernel after it.
-  bool fold_residual_adds = true;
+  // instead of a kernel after it. Off: the kernel measured 1.8% / 3.1% faster (run 11).
+  bool fold_residual_adds = false;
   // The shared experts' output and the layer residual added in the latent up-projection's store.
   // Off: that store must then wait for the side stream (no programmatic edge into it), which
   // measured 5% slower at batch 1 with the latent down beside the router than two add kernels.
@@ -80,9 +83,6 @@ struct CudaBackboneOptions {
   // refused: a single-GPU step must hold every expert.
   bool stub_collectives = false;
 };
-
-// The prefetch budget k3_bench_step measures against the default.
-constexpr size_t kL2PrefetchTrialBytes = 24u << 20;
 
 // Time per stage of one step (profile_step), summed over layers: where the time goes.
 struct StageTime {

@@ -40,8 +40,8 @@ constexpr double kFreeRunGap = 0.1;
 cuda::CudaBackboneOptions spec_options(int rows, bool graphs, std::vector<int> sizes) {
   cuda::CudaBackboneOptions o = options(rows, graphs);
   o.capture_sizes = std::move(sizes);
-  // The L2 prefetch is off by default; the tests run it so its path stays covered (it reads
-  // weights only, so no value may change).
+  // The L2 prefetch (on by default) reads weights only, so no value may change: the tests run
+  // it (TuningChoicesMatchStockTiny runs without it).
   o.tuning.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
   return o;
 }
@@ -149,6 +149,7 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   t.glu_in_down_proj = !t.glu_in_down_proj;
   t.fold_residual_adds = !t.fold_residual_adds;
   t.fold_moe_residual = !t.fold_moe_residual;
+  t.l2_prefetch_bytes = t.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;
   t.pdl = false;
   for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
     const auto d = teacher_forced(
