@@ -49,9 +49,9 @@ constexpr size_t kL2PrefetchTrialBytes = 24u << 20;
 struct SpecializedTuning {
   bool pdl = true;  // programmatic kernel -> kernel edges in the graphs (graph_pdl.h)
   // Bytes of the next weights (o_proj) warmed into L2 beside the latency-bound KDA recurrence;
-  // 0: off. It lost 5% while the KDA kernel was short; beside the blocked run kernel it gained
-  // 3.6% / 4.5% at batch 1, 1k / 32k (run 11).
-  size_t l2_prefetch_bytes = kL2PrefetchTrialBytes;
+  // 0: off. Within run-to-run noise: +5% (run 12), -3.6% (run 11), +2.4% (run 12 of the third
+  // stop, against it on) at batch 1, so it stays off.
+  size_t l2_prefetch_bytes = 0;
   // The latent down-projection on the side stream beside the router GEMM and top-k (the shared
   // experts then follow it there) instead of after them on the main stream. On: -1.1% / -1.8%
   // at batch 1, 1k, in two runs (one earlier run saw no gain).
@@ -59,8 +59,9 @@ struct SpecializedTuning {
   // The expert down-projection applies the GLU while staging its input (no GLU launch).
   bool glu_in_down_proj = true;
   // The attention residual add (P += sub, or P = sub at a restart) in the o-projection's store
-  // instead of a kernel after it. Off: the kernel measured 1.8% / 3.1% faster (run 11).
-  bool fold_residual_adds = false;
+  // instead of a kernel after it: within noise (-1.8% as a kernel in one run, +2.9% in the
+  // next); folded saves a launch per layer.
+  bool fold_residual_adds = true;
   // The shared experts' output and the layer residual added in the latent up-projection's store.
   // Off: that store must then wait for the side stream (no programmatic edge into it), which
   // measured 5% slower at batch 1 with the latent down beside the router than two add kernels.

@@ -148,9 +148,11 @@ void run_case(Case c, bool keep) {
   EXPECT_EQ(cuda::to_host<uint16_t>(runs.d_conv_state),
             cuda::to_host<uint16_t>(single.d_conv_state))
       << "conv window (every slot)";
-  // Against the CPU: carried 4 tokens on each side, so a bf16 state may drift by a few flips.
-  const Tol out_tol = c.bf16_state ? Tol{2.0, 4e-3} : kOut;
-  const Tol state_tol = c.bf16_state ? Tol{2.0, 1e-3} : kStateF32;
+  // Against the CPU: carried 4 tokens on each side without resyncing, so a bf16 state's rounding
+  // flips compound (seen: one element of 688k 16 ulps off, 5e-3 of the state's RMS); a wrong
+  // slot or token order is O(1) off. (Runs against one-token launches above are exact.)
+  const Tol out_tol = c.bf16_state ? Tol{2.0, 1e-2} : kOut;
+  const Tol state_tol = c.bf16_state ? Tol{2.0, 1e-2} : kStateF32;
   expect_close(to_floats(run_out), cpu_out, out_tol, "out vs CPU");
   expect_close(runs.device_state(), runs.state, state_tol, "state vs CPU");
   EXPECT_EQ(to_floats(cuda::to_host<uint16_t>(runs.d_conv_state)), runs.conv_state)
