@@ -104,19 +104,24 @@ class CudaBackend final : public serve::StepBackend {
   bool supports_verify() const override { return true; }
   void verify(std::span<const serve::VerifyRow> rows) override {
     std::vector<Row> rs;
-    size_t q_max = 0;
-    for (const auto& r : rows) {
-      K3_CHECK(!r.tokens.empty(), "a verify row needs at least one token");
-      K3_CHECK(static_cast<int>(r.tokens.size()) <= backbone_->max_rows(), "a verify of ",
-               r.tokens.size(), " tokens exceeds the ", backbone_->max_rows(), " rows of one step");
-      const int s = slot_of(r.state);
-      rs.push_back({s, r.tokens, r.logits, r.hidden, /*all_logits=*/true});
-      q_max = std::max(q_max, r.tokens.size());
-      verify_start_[static_cast<size_t>(s)] = backbone_->position(s);
-      verify_q_[static_cast<size_t>(s)] = static_cast<int64_t>(r.tokens.size());
-    }
-    if (q_max > 1) backbone_->reserve_snapshots(static_cast<int>(q_max) - 1);
+    add_verify_rows(rows, rs);
     run(rs, /*verify=*/true);
+  }
+  // Decode rows join the verify runs in one step (a decode row is a run of one: no snapshot);
+  // prefill chunks run in steps of their own first (stock path, no snapshots).
+  void step(std::span<const serve::StepRow> rows,
+            std::span<const serve::VerifyRow> vrows) override {
+    if (vrows.empty()) {
+      forward(rows);
+      return;
+    }
+    std::vector<Row> joint, prefill;
+    for (const auto& r : rows)
+      (r.tokens.size() > 1 ? prefill : joint)
+          .push_back({slot_of(r.state), r.tokens, r.logits, r.hidden, /*all_logits=*/false});
+    if (!prefill.empty()) run(prefill, /*verify=*/false);
+    add_verify_rows(vrows, joint);
+    run(joint, /*verify=*/true);
   }
   void commit(serve::SlotState& state, int64_t consumed) override {
     const int s = slot_of(&state);
@@ -154,6 +159,22 @@ class CudaBackend final : public serve::StepBackend {
     size_t first, count;
     int64_t at;
   };
+  // Appends the verify rows to rs, remembering each slot's start and q for commit() and
+  // reserving the KDA snapshots the longest needs.
+  void add_verify_rows(std::span<const serve::VerifyRow> rows, std::vector<Row>& rs) {
+    size_t q_max = 0;
+    for (const auto& r : rows) {
+      K3_CHECK(!r.tokens.empty(), "a verify row needs at least one token");
+      K3_CHECK(static_cast<int>(r.tokens.size()) <= backbone_->max_rows(), "a verify of ",
+               r.tokens.size(), " tokens exceeds the ", backbone_->max_rows(), " rows of one step");
+      const int s = slot_of(r.state);
+      rs.push_back({s, r.tokens, r.logits, r.hidden, /*all_logits=*/true});
+      q_max = std::max(q_max, r.tokens.size());
+      verify_start_[static_cast<size_t>(s)] = backbone_->position(s);
+      verify_q_[static_cast<size_t>(s)] = static_cast<int64_t>(r.tokens.size());
+    }
+    if (q_max > 1) backbone_->reserve_snapshots(static_cast<int>(q_max) - 1);
+  }
   // One routing decision per step: a decode-only step (decode rows of one token, or verify
   // runs) whose row count has a specialized graph runs the specialized path; prefill, mixed and
   // wider steps run the stock one. Both share every state tensor.

@@ -218,9 +218,9 @@ void Engine::step() {
     SlotState* state = slots_[static_cast<size_t>(s->slot)].get();
     s->drafts = {};
     if (s->drafter) {
-      const int64_t room = std::min<int64_t>(
-          {opt_.speculative.num_speculative_tokens, s->req.max_tokens - s->generated - 1,
-           budget - decoders});
+      const int64_t room =
+          std::min<int64_t>({opt_.speculative.num_speculative_tokens,
+                             s->req.max_tokens - s->generated - 1, budget - decoders});
       try {
         if (room > 0) s->drafts = s->drafter->propose(s->context, static_cast<int>(room));
       } catch (const std::exception& e) {
@@ -274,11 +274,10 @@ void Engine::step() {
       vrows[i].hidden = vowners[i]->hidden.data();
     }
   try {
-    if (!rows.empty()) backend_->forward(rows);
-    if (!vrows.empty()) backend_->verify(vrows);
+    backend_->step(rows, vrows);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "k3 serve: step failed for %zu requests: %s\n",
-                 rows.size() + vrows.size(), e.what());
+    std::fprintf(stderr, "k3 serve: step failed for %zu requests: %s\n", rows.size() + vrows.size(),
+                 e.what());
     for (Seq* s : owners) finish(*s, "error", e.what());
     for (Seq* s : vowners) finish(*s, "error", e.what());
     return;
@@ -306,8 +305,8 @@ void Engine::step() {
 
 void Engine::accept_verified(Seq& s, const float* logits) {
   // logits: [1 + drafts][vocab] fp32.
-  const spec::Verdict v = spec::rejection_sample(logits, backend_->vocab_size(), s.req.sampling,
-                                                 s.drafts, s.spec_rng);
+  const spec::Verdict v =
+      spec::rejection_sample(logits, backend_->vocab_size(), s.req.sampling, s.drafts, s.spec_rng);
   backend_->commit(*slots_[static_cast<size_t>(s.slot)], 1 + v.accepted);
   if (s.drafter->needs_hidden()) s.drafter->observe(s.hidden.data(), 1 + v.accepted);
   metrics_.add_spec_decode(static_cast<int64_t>(s.drafts.tokens.size()), v.accepted);

@@ -112,6 +112,11 @@ class CpuBackend final : public StepBackend {
 
 }  // namespace
 
+void StepBackend::step(std::span<const StepRow> rows, std::span<const VerifyRow> vrows) {
+  if (!rows.empty()) forward(rows);
+  if (!vrows.empty()) verify(vrows);
+}
+
 void StepBackend::verify(std::span<const VerifyRow>) {
   fail("speculative decoding is not supported by this backend");
 }
@@ -139,8 +144,9 @@ bool have_cuda_backend() {
 }
 std::unique_ptr<StepBackend> make_cuda_backend(std::unique_ptr<LoadedModel> model,
                                                const DeployConfig& deploy) {
-  K3_CHECK(g_cuda_factory != nullptr, "this build of k3 has no CUDA backend (nvcc was not found "
-                                      "at configure time); use --device cpu");
+  K3_CHECK(g_cuda_factory != nullptr,
+           "this build of k3 has no CUDA backend (nvcc was not found "
+           "at configure time); use --device cpu");
   return g_cuda_factory(std::move(model), deploy);
 }
 

@@ -62,6 +62,9 @@ class StepBackend {
   virtual bool supports_verify() const { return false; }
   // Runs every verify row (as forward: an exception leaves the rows' states undefined).
   virtual void verify(std::span<const VerifyRow> rows);
+  // One engine step: the plain rows and the verify rows (each may be empty). The default runs
+  // forward(rows) then verify(vrows); a batched executor runs them as one step where it can.
+  virtual void step(std::span<const StepRow> rows, std::span<const VerifyRow> vrows);
   // After verify: keep the first `consumed` tokens of the state's last verify row (1 <= consumed
   // <= q); the state then equals the state after exactly those tokens.
   virtual void commit(SlotState& state, int64_t consumed);
@@ -78,7 +81,7 @@ std::unique_ptr<StepBackend> make_cpu_backend(std::unique_ptr<LoadedModel> model
 // The CUDA executor (decode_backend auto on the GPU). Binaries built with CUDA register its
 // factory at start-up (src/cli/main.cpp); the engine library itself does not link CUDA.
 using BackendFactory = std::unique_ptr<StepBackend> (*)(std::unique_ptr<LoadedModel> model,
-                                                       const DeployConfig& deploy);
+                                                        const DeployConfig& deploy);
 void set_cuda_backend_factory(BackendFactory factory);
 bool have_cuda_backend();
 // Raises k3::Error when this binary has no CUDA backend.

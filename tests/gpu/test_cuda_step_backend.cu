@@ -168,6 +168,46 @@ TEST(CudaStepBackend, SpeculativeGenerateEqualsPlainGreedy) {
   EXPECT_GT(b.stats.steps, 0);
 }
 
+// One engine step of a verify row and a decode row (StepBackend::step) runs them as one
+// backbone step and gives what forward then verify give (bit for bit with batch-invariant
+// plans), leaving both slots at the same positions.
+TEST(CudaStepBackend, JointStepEqualsForwardThenVerify) {
+  const BatchInvariantScope invariant(true);
+  const LoadedModel& m = tiny_model("tiny");
+  const size_t V = static_cast<size_t>(m.config.vocab_size);
+  const std::vector<int64_t> p0 = random_prompt(m.config, 51, 5),
+                             p1 = random_prompt(m.config, 52, 7);
+  const std::vector<int64_t> draft = random_prompt(m.config, 53, 4);
+  const int64_t tok = 11;
+  std::vector<std::vector<float>> out;
+  std::vector<int64_t> positions;
+  for (const bool joint : {true, false}) {
+    auto backend = cuda_backend(m, 2, 64, 3);
+    auto a = backend->new_state();
+    auto b = backend->new_state();
+    std::vector<float> la(V), lb(V), vl(4 * V), dl(V);
+    const serve::StepRow pa{a.get(), p0, la.data()}, pb{b.get(), p1, lb.data()};
+    const std::vector<serve::StepRow> prompts = {pa, pb};
+    backend->forward(prompts);
+    const serve::VerifyRow v{a.get(), draft, vl.data()};
+    const serve::StepRow d{b.get(), {&tok, 1}, dl.data()};
+    if (joint) {
+      backend->step({&d, 1}, {&v, 1});
+    } else {
+      backend->forward({&d, 1});
+      backend->verify({&v, 1});
+    }
+    out.push_back(vl);
+    out.push_back(dl);
+    positions.push_back(a->position());
+    positions.push_back(b->position());
+  }
+  EXPECT_EQ(out[0], out[2]) << "verify rows";
+  EXPECT_EQ(out[1], out[3]) << "decode row";
+  EXPECT_EQ(positions[0], positions[2]);
+  EXPECT_EQ(positions[1], positions[3]);
+}
+
 // A prompt longer than a step's rows is cut into chunks (runs of up to 64 rows), and its
 // logits equal those of feeding it one token per step.
 TEST(CudaStepBackend, ChunkedPrefillEqualsTokenByToken) {
