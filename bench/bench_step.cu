@@ -218,6 +218,7 @@ double time_prefill(cuda::CudaBackbone& bb, const ModelConfig& cfg, int64_t toke
 struct VerifyRow {
   int q;
   double stock = 0, spec = 0, floor_ms = 0;
+  std::string spec_stages;  // the specialized step per stage (--profile; snapshots not written)
 };
 struct VerifyResult {
   std::vector<VerifyRow> rows;
@@ -262,6 +263,14 @@ VerifyResult time_verify(const Args& a, cuda::CudaBackbone& bb, const ModelConfi
       const double med = time_step(bb, slots, toks, path, a.replays, flush, /*keep_kda=*/true);
       if (!finite_logits(bb, q, V)) fail("verify q = ", q, ": non-finite logits");
       (path == cuda::StepPath::Stock ? row.stock : row.spec) = med;
+      if (a.profile && path == cuda::StepPath::Specialized) {
+        bb.assume_context(0, ctx);
+        for (const auto& st : bb.profile_step(slots, toks, path, 5)) {
+          char buf[64];
+          std::snprintf(buf, sizeof buf, " %s %.3f", st.stage.c_str(), st.ms);
+          row.spec_stages += buf;
+        }
+      }
     }
     out.push_back(row);
   }
@@ -281,6 +290,9 @@ void print_verify(const VerifyResult& v) {
     std::printf("%4d %10.3f %10.3f %10.3f %11.2fx %11.2fx\n", r.q, r.stock, r.spec, r.floor_ms,
                 rows[0].stock > 0 ? r.stock / rows[0].stock : 0.0,
                 rows[0].spec > 0 ? r.spec / rows[0].spec : 0.0);
+  for (const VerifyRow& r : rows)
+    if (!r.spec_stages.empty())
+      std::printf("  verify q %d specialized per stage (ms):%s\n", r.q, r.spec_stages.c_str());
   std::printf(
       "prefill %lld tokens (stock path, runs of up to 64 rows): %.1f ms, %.0f tokens/s; "
       "token by token: %lld q = 1 steps, %.0f ms\n",
