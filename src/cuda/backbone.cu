@@ -197,16 +197,16 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
   K3_CHECK(path == StepPath::Stock || rows <= max_capture_rows(), "a specialized step takes 1..",
            max_capture_rows(), " rows (the largest capture size), got ", rows);
   // Runs: the rows of one slot are consecutive, and a slot has one run per step.
-  std::vector<int64_t> run_of(static_cast<size_t>(pool_->slots()), 0);
+  std::vector<bool> seen(static_cast<size_t>(pool_->slots()), false);
   int64_t longest = 0;
   for (int64_t r = 0, run = 0; r < rows; ++r) {
     const int32_t s = slots[static_cast<size_t>(r)], t = tokens[static_cast<size_t>(r)];
     K3_CHECK(s >= 0 && s < pool_->slots(), "slot ", s, " outside the pool of ", pool_->slots());
     const bool continues = r > 0 && slots[static_cast<size_t>(r - 1)] == s;
-    K3_CHECK(continues || run_of[static_cast<size_t>(s)] == 0, "slot ", s,
+    K3_CHECK(continues || !seen[static_cast<size_t>(s)], "slot ", s,
              " has two separate runs of rows in one step (its rows must be consecutive)");
+    seen[static_cast<size_t>(s)] = true;
     run = continues ? run + 1 : 1;
-    run_of[static_cast<size_t>(s)] = run;
     longest = std::max(longest, run);
     K3_CHECK(t >= 0 && t < cfg_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
              cfg_.vocab_size, ")");
@@ -377,13 +377,17 @@ void CudaBackbone::logits_rows_to_host(std::span<const int64_t> rows, std::span<
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-void CudaBackbone::hidden_to_host(int64_t rows, float* out) {
-  K3_CHECK(rows >= 0 && rows <= opt_.max_rows, "hidden_to_host: ", rows, " rows");
-  const size_t n = static_cast<size_t>(rows * cfg_.hidden_size);
+// Waits for the stream and copies n bf16 device values to the host as floats.
+void CudaBackbone::bf16_to_host(const __nv_bfloat16* src, size_t n, float* out) {
   std::vector<uint16_t> bits(n);
-  copy_to_host_async(bits.data(), buf_->x.data(), n, stream_);
+  copy_to_host_async(bits.data(), src, n, stream_);
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(bits[i]);
+}
+
+void CudaBackbone::hidden_to_host(int64_t rows, float* out) {
+  K3_CHECK(rows >= 0 && rows <= opt_.max_rows, "hidden_to_host: ", rows, " rows");
+  bf16_to_host(buf_->x.data(), static_cast<size_t>(rows * cfg_.hidden_size), out);
 }
 
 void CudaBackbone::greedy(int64_t rows, int32_t* ids) {
@@ -394,12 +398,8 @@ void CudaBackbone::greedy(int64_t rows, int32_t* ids) {
 
 void CudaBackbone::tap(int layer, const char* part, int64_t rows) {
   if (!tap_) return;
-  const size_t n = static_cast<size_t>(rows * cfg_.hidden_size);
-  std::vector<uint16_t> bits(n);
-  copy_to_host_async(bits.data(), buf_->sub.data(), n, stream_);
-  K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  std::vector<float> out(n);
-  for (size_t i = 0; i < n; ++i) out[i] = bf16_to_float(bits[i]);
+  std::vector<float> out(static_cast<size_t>(rows * cfg_.hidden_size));
+  bf16_to_host(buf_->sub.data(), out.size(), out.data());
   tap_(layer, part, out);
 }
 

@@ -222,6 +222,7 @@ class CudaBackbone {
   void tap(int layer, const char* part,
            int64_t rows);       // [slots] positions as the host has enqueued them
   int32_t* host_in_ = nullptr;  // pinned [2 * max_rows + 1]: slots, tokens, keep_kda flag
+  void bf16_to_host(const __nv_bfloat16* src, size_t n, float* out);  // waits for the stream
   cudaEvent_t inputs_copied_ = nullptr;
 };
 

@@ -200,10 +200,14 @@ class CudaBackend final : public serve::StepBackend {
     std::vector<int32_t> slots, toks;
     std::vector<Piece> pieces;
     std::vector<float> hidden;
+    std::vector<int64_t> want_rows;  // step rows whose logits are copied out, to want_out
+    std::vector<float*> want_out;
     for (;;) {
       slots.clear();
       toks.clear();
       pieces.clear();
+      want_rows.clear();
+      want_out.clear();
       for (size_t i = 0; i < rows.size(); ++i) {
         const size_t left = rows[i].tokens.size() - fed[i];
         const int64_t room = budget - static_cast<int64_t>(slots.size());
@@ -219,8 +223,6 @@ class CudaBackend final : public serve::StepBackend {
       if (slots.empty()) return;
       const int64_t n = static_cast<int64_t>(slots.size());
       backbone_->step(slots, toks, path_of(pieces, n, verify), /*keep_kda_states=*/verify);
-      std::vector<int64_t> want_rows;
-      std::vector<float*> want_out;
       bool any_hidden = false;
       for (const Piece& p : pieces) {
         const Row& r = *p.row;
@@ -237,7 +239,9 @@ class CudaBackend final : public serve::StepBackend {
           }
         }
       }
-      backbone_->logits_rows_to_host(want_rows, want_out);
+      // A prefill chunk that does not end its prompt wants nothing: no wait, the next step is
+      // enqueued behind it.
+      if (!want_rows.empty()) backbone_->logits_rows_to_host(want_rows, want_out);
       if (!any_hidden) continue;
       hidden.resize(static_cast<size_t>(n * H));
       backbone_->hidden_to_host(n, hidden.data());

@@ -173,9 +173,6 @@ LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
   return best;
 }
 
-// Launches a.m x a.n x a.k (groups slots, `active` of them expected busy: LinearPlan) with the
-// tuned plan of the shape, tuning it first where allowed; `tiled_ok`: the operands meet the
-// tiled kernel's alignment (else the fallback).
 // The tuned plans of one plan family (Fmt::PlanKey): formats that differ only in how they stage
 // x (the GLU input) share the plans of the weight format, so a fused launch sums K exactly as
 // the plain launch it replaces.
@@ -187,16 +184,22 @@ std::pair<std::mutex&, std::map<TunedKey, LinearPlan>&> tuned_plans() {
   return {mu, tuned};
 }
 
+// Launches a.m x a.n x a.k (groups slots, `active` of them expected busy: LinearPlan) with the
+// tuned plan of the shape, tuning it first where allowed; `tiled_ok`: the operands meet the
+// tiled kernel's alignment (else the fallback).
 template <class Fmt>
 void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
                     cudaStream_t stream, int active = 0) {
   using Key = typename Fmt::PlanKey;
   auto [mu, tuned] = tuned_plans<Key>();
   const bool invariant = batch_invariant();
-  if (!tiled_ok) {
+  const auto fallback = [&] {  // the generic kernel for the shape
     LinearPlan p;
     p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
-    launch_skinny<Fmt>(p, a, stream);
+    return p;
+  };
+  if (!tiled_ok) {
+    launch_skinny<Fmt>(fallback(), a, stream);
     return;
   }
   int dev = 0;
@@ -220,12 +223,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
       ranked = same_k_order(
           linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active),
           anchor);
-    if (ranked.empty()) {
-      p = LinearPlan{};
-      p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
-    } else {
-      p = ranked.front();
-    }
+    p = ranked.empty() ? fallback() : ranked.front();
   }
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   K3_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
