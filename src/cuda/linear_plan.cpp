@@ -222,6 +222,23 @@ void set_batch_invariant(bool on) {
   batch_invariant_flag().store(on);
 }
 
+namespace {
+std::atomic<bool>& linear_tuning_flag() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("K3_LINEAR_TUNING");
+    return v == nullptr || std::string(v) != "0";
+  }()};
+  return on;
+}
+}  // namespace
+
+bool linear_tuning() {
+  return linear_tuning_flag().load();
+}
+void set_linear_tuning(bool on) {
+  linear_tuning_flag().store(on);
+}
+
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {
   std::vector<LinearPlan> out;
   for (const LinearPlan& p : c)
@@ -234,11 +251,7 @@ std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const Lin
 namespace k3::cuda::detail {
 
 bool linear_tuning_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("K3_LINEAR_TUNING");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return on;
+  return linear_tuning();
 }
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {

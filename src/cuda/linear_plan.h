@@ -81,6 +81,12 @@ using LinearRegs = std::function<int(int nt, int mt)>;
 // kernel runs (its order is per row too).
 bool batch_invariant();
 void set_batch_invariant(bool on);
+// Measured plan choice (linear_launch.cuh; K3_LINEAR_TUNING=0, or set_linear_tuning(false)
+// before the first step, keeps the model's pick). Ranks of one multi-rank layout turn it off:
+// timing noise would give each process its own plans, and the computations every rank
+// replicates (router, latent projections) must give every rank the same bits.
+bool linear_tuning();
+void set_linear_tuning(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
