@@ -3,7 +3,10 @@
 // the same collectives in the same order, a rank with no work still calls them with zero sizes).
 // Implementations must not allocate or synchronize the host inside a collective, so a sequence
 // of collectives can be captured in a CUDA graph and replayed. NcclCommunicator
-// (cuda/nccl_communicator.h) is the implementation.
+// (cuda/nccl_communicator.h) is the implementation for one process per GPU;
+// HostStagedCommunicator (cuda/host_staged_communicator.h) stages through the host over any
+// parallel::Communicator (ranks as threads sharing a GPU, or processes without NCCL): it waits
+// on the stream, so graph_safe() is false and steps using it run eagerly.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -38,9 +41,16 @@ class DeviceCommunicator {
                             const int64_t* recv_counts, DevType t, cudaStream_t stream) = 0;
   // data[n] of rank `root` copied to every rank (in place).
   virtual void broadcast(void* data, int64_t n, DevType t, int root, cudaStream_t stream) = 0;
+  // in[size * n] of every rank -> out[n] = sum over ranks r of their in[rank() * n, +n): this
+  // rank's block of the element-wise sum (same summation caveat as all_reduce_sum).
+  virtual void reduce_scatter_sum(const void* in, void* out, int64_t n, DevType t,
+                                  cudaStream_t stream) = 0;
   // Stream-ordered: work after it on `stream` starts once every rank's stream reached it. The
   // host does not wait (synchronize the stream for that).
   virtual void barrier(cudaStream_t stream) = 0;
+  // True when the collectives neither allocate nor wait on the host, so they can be captured
+  // in a CUDA graph.
+  virtual bool graph_safe() const = 0;
 
   // Typed conveniences.
   void all_reduce_sum(float* d, int64_t n, cudaStream_t s) {

@@ -78,6 +78,21 @@ NcclCommunicator::NcclCommunicator(parallel::TcpBootstrap& boot, int local_rank)
   K3_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+NcclCommunicator::NcclCommunicator(ncclComm_t comm, int device) : device_(device), comm_(comm) {
+  K3_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+  K3_NCCL_CHECK(ncclCommCount(comm_, &size_));
+  barrier_scratch_ = DeviceBuffer<float>(1);
+  barrier_scratch_.fill_bytes(0);
+}
+
+std::unique_ptr<NcclCommunicator> NcclCommunicator::split(int color, int key) const {
+  K3_CHECK(color >= 0, "NCCL split: color must be >= 0, got ", color);
+  ncclComm_t sub = nullptr;
+  K3_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+  K3_CHECK(sub != nullptr, "NCCL split: no communicator for color ", color);
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(sub, device_));
+}
+
 NcclCommunicator::~NcclCommunicator() {
   // A destructor must not throw; a failing destroy is left unreported.
   if (comm_) (void)ncclCommDestroy(comm_);
@@ -129,6 +144,13 @@ void NcclCommunicator::broadcast(void* data, int64_t n, DevType t, int root, cud
   const size_t count = checked_count(n, "broadcast");
   if (count == 0) return;
   K3_NCCL_CHECK(ncclBroadcast(data, data, count, nccl_type(t), root, comm_, stream));
+}
+
+void NcclCommunicator::reduce_scatter_sum(const void* in, void* out, int64_t n, DevType t,
+                                          cudaStream_t stream) {
+  const size_t count = checked_count(n, "reduce_scatter_sum");
+  if (count == 0) return;
+  K3_NCCL_CHECK(ncclReduceScatter(in, out, count, nccl_type(t), ncclSum, comm_, stream));
 }
 
 void NcclCommunicator::barrier(cudaStream_t stream) {

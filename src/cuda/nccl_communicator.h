@@ -16,11 +16,13 @@
 
 #include <nccl.h>
 
+#include <memory>
 #include <vector>
 
 #include "core/error.h"
 #include "cuda/device_buffer.h"
 #include "cuda/device_communicator.h"
+#include "cuda/rank_group.h"
 #include "parallel/tcp_bootstrap.h"
 
 // Every NCCL call: a failure raises k3::Error with the call, NCCL's error string and its last
@@ -48,6 +50,9 @@ class NcclCommunicator final : public DeviceCommunicator {
   // (select_local_device(rank, local_rank >= 0 ? local_rank : boot.local_rank())), then builds
   // the NCCL communicator. The bootstrap is only used here.
   explicit NcclCommunicator(parallel::TcpBootstrap& boot, int local_rank = -1);
+  // A sub-communicator (ncclCommSplit): ranks passing the same color form one group, ordered
+  // by key. Collective over every rank of this communicator.
+  std::unique_ptr<NcclCommunicator> split(int color, int key) const;
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -62,15 +67,25 @@ class NcclCommunicator final : public DeviceCommunicator {
   void all_to_all_v(const void* send, const int64_t* send_counts, void* recv,
                     const int64_t* recv_counts, DevType t, cudaStream_t stream) override;
   void broadcast(void* data, int64_t n, DevType t, int root, cudaStream_t stream) override;
+  void reduce_scatter_sum(const void* in, void* out, int64_t n, DevType t,
+                          cudaStream_t stream) override;
   void barrier(cudaStream_t stream) override;
+  bool graph_safe() const override { return true; }
 
   using DeviceCommunicator::all_gather;
   using DeviceCommunicator::all_reduce_sum;
 
  private:
+  NcclCommunicator(ncclComm_t comm, int device);  // adopts a split communicator
+
   int rank_ = 0, size_ = 1, device_ = 0;
   ncclComm_t comm_ = nullptr;
   DeviceBuffer<float> barrier_scratch_;  // [1] fp32: the barrier's all-reduce operand
 };
+
+// The communicators of this process's rank of `layout` (a NcclRankCommsFactory): the world
+// over every process of boot, and its replica's tp group split from it.
+RankComms make_nccl_rank_comms(parallel::TcpBootstrap& boot,
+                               const parallel::ParallelLayout& layout);
 
 }  // namespace k3::cuda
