@@ -58,6 +58,9 @@ TEST(DeployConfigParse, AllKeysAndRoundTrip) {
                     {"mamba_cache_dtype", "float32"},
                     {"mamba_ssm_cache_dtype", "bfloat16"},
                     {"max_model_len", 131072},
+                    {"tensor_parallel_size", 8},
+                    {"data_parallel_size", 2},
+                    {"enable_expert_parallel", true},
                     {"decode_context_parallel_size", 8},
                     {"speculative_config",
                      {{"num_speculative_tokens", 3},
@@ -73,6 +76,9 @@ TEST(DeployConfigParse, AllKeysAndRoundTrip) {
   EXPECT_EQ(d.mamba_cache_dtype, StateDtype::Float32);
   EXPECT_EQ(d.mamba_ssm_cache_dtype, StateDtype::BFloat16);
   EXPECT_EQ(d.max_model_len, 131072);
+  EXPECT_EQ(d.tensor_parallel_size, 8);
+  EXPECT_EQ(d.data_parallel_size, 2);
+  EXPECT_TRUE(d.enable_expert_parallel);
   EXPECT_EQ(d.decode_context_parallel_size, 8);
   EXPECT_EQ(d.speculative_config.num_speculative_tokens, 3);
   EXPECT_EQ(d.speculative_config.method, "draft_model");
@@ -91,6 +97,9 @@ TEST(DeployConfigParse, AllKeysAndRoundTrip) {
   EXPECT_EQ(e.kv_cache_dtype, KvCacheDtype::Auto);
   EXPECT_EQ(e.max_model_len, 0);
   EXPECT_EQ(e.max_num_seqs, 64);
+  EXPECT_EQ(e.tensor_parallel_size, 1);
+  EXPECT_EQ(e.data_parallel_size, 1);
+  EXPECT_FALSE(e.enable_expert_parallel);
   EXPECT_TRUE(e.cudagraph_capture_sizes.empty());
   EXPECT_EQ(parse_deploy_config({{"speculative_config", nullptr}}).speculative_config.method, "");
 }
@@ -120,6 +129,8 @@ TEST(DeployConfigParse, Errors) {
   EXPECT_NE(err({{"mamba_ssm_cache_dtype", "fp8"}}).find("mamba_ssm_cache_dtype \"fp8\""),
             std::string::npos);
   EXPECT_EQ(err(json::array()), "deploy config must be a JSON object, got array");
+  EXPECT_EQ(err({{"enable_expert_parallel", 1}}),
+            "deploy config key \"enable_expert_parallel\" must be a boolean, got number 1");
 }
 
 TEST(DeployConfigParse, Spellings) {
@@ -167,6 +178,10 @@ TEST(DeployConfigValidate, GeneralErrorsApplyToAuto) {
             "max_model_len must be >= 0 (0: the model's), got -1");
   EXPECT_EQ(err([](DeployConfig& d) { d.decode_context_parallel_size = 0; }),
             "decode_context_parallel_size must be >= 1, got 0");
+  EXPECT_EQ(err([](DeployConfig& d) { d.tensor_parallel_size = 0; }),
+            "tensor_parallel_size must be >= 1, got 0");
+  EXPECT_EQ(err([](DeployConfig& d) { d.data_parallel_size = -2; }),
+            "data_parallel_size must be >= 1, got -2");
   EXPECT_EQ(err([](DeployConfig& d) { d.max_num_seqs = 0; }), "max_num_seqs must be >= 1, got 0");
   EXPECT_EQ(err([](DeployConfig& d) {
               d.cudagraph_capture_sizes = {4, 0};

@@ -21,9 +21,9 @@
 #include "parallel/communicator.h"
 #include "parallel/parallel_backbone.h"
 #include "parallel/parallel_step_backend.h"
+#include "run_command.h"
 #include "runtime/deploy_config.h"
 #include "serve/step_backend.h"
-#include "run_command.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
 #include "test_util.h"
@@ -373,6 +373,32 @@ TEST(Parallel, LayoutsTheModelCannotTakeAreRefusedClearly) {
   EXPECT_THROW(
       ParallelCpuBackbone(dsa.config, dsa.weights, {DType::BF16, DType::F32}, {2, 1, false, 2}),
       Error);
+}
+
+// TP slices of the routed experts' down projection: whole 32-column blocks stay MXFP4 (the GPU
+// reads MXFP4 or bf16 only), a straddling slice becomes exact fp32; the values are the same.
+TEST(Parallel, ColumnSlicesOfMxfp4ExpertsKeepWholeBlocksPacked) {
+  const LoadedModel& m = tiny_model("tiny");
+  for (const int tp : {2, 4}) {
+    const parallel::RankWeights rw(m.config, m.weights, {tp, 1, false, 1}, tp - 1);
+    for (size_t l = 0; l < m.weights.layers.size(); ++l) {
+      const LayerWeights& full = m.weights.layers[l];
+      if (!full.moe) continue;
+      const WeightMatrix& w2 = full.moe_w.experts[3].w2;
+      const WeightMatrix& part = rw.weights().layers[l].moe_w.experts[3].w2;
+      ASSERT_EQ(w2.format, WeightFormat::MXFP4);
+      const int64_t n = w2.cols / tp, first = (tp - 1) * n;
+      ASSERT_EQ(part.cols, n);
+      EXPECT_EQ(part.format, n % 32 == 0 ? WeightFormat::MXFP4 : WeightFormat::F32) << tp;
+      std::vector<float> a(static_cast<size_t>(w2.cols)), b(static_cast<size_t>(n));
+      for (int64_t r = 0; r < w2.rows; ++r) {
+        w2.row_to_float(r, a.data());
+        part.row_to_float(r, b.data());
+        ASSERT_TRUE(std::equal(b.begin(), b.end(), a.begin() + first))
+            << "tp " << tp << " row " << r;
+      }
+    }
+  }
 }
 
 // `k3 generate --tp / --ep / --dcp / --dp` runs the multi-rank backbone: same greedy ids.

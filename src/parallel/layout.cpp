@@ -25,6 +25,15 @@ std::vector<float> slice(const std::vector<float>& v, int64_t begin, int64_t cou
 
 }  // namespace
 
+ParallelLayout layout_of(const DeployConfig& d) {
+  ParallelLayout l;
+  l.tp = d.tensor_parallel_size;
+  l.dp = d.data_parallel_size;
+  l.ep = d.enable_expert_parallel;
+  l.dcp = d.decode_context_parallel_size;
+  return l;
+}
+
 void validate_layout(const ParallelLayout& l, const ModelConfig& cfg) {
   K3_CHECK(l.tp >= 1 && l.dp >= 1, "tensor_parallel_size and data_parallel_size must be >= 1, got ",
            l.tp, " and ", l.dp);
@@ -76,8 +85,24 @@ WeightMatrix RankWeights::cols(const WeightMatrix& m, int64_t begin, int64_t cou
   s.rows = m.rows;
   s.cols = count;
   auto& buf = owned_.emplace_back();
+  if (m.format == WeightFormat::MXFP4 && begin % 32 == 0 && count % 32 == 0) {
+    // Whole 32-blocks: the same packed bytes and E8M0 scales, row by row.
+    s.format = WeightFormat::MXFP4;
+    const int64_t pb = m.cols / 2, sb = m.cols / 32;  // bytes per row: packed, scales
+    const int64_t cpb = count / 2, csb = count / 32;
+    buf.resize(static_cast<size_t>(m.rows * (cpb + csb)));
+    const auto* packed = static_cast<const uint8_t*>(m.data);
+    for (int64_t r = 0; r < m.rows; ++r) {
+      std::memcpy(buf.data() + r * cpb, packed + r * pb + begin / 2, static_cast<size_t>(cpb));
+      std::memcpy(buf.data() + m.rows * cpb + r * csb, m.scales + r * sb + begin / 32,
+                  static_cast<size_t>(csb));
+    }
+    s.data = buf.data();
+    s.scales = buf.data() + m.rows * cpb;
+    return s;
+  }
   if (m.format == WeightFormat::MXFP4) {
-    // A 32-block may straddle the slice: materialize as fp32 (every E2M1 x E8M0 value is exact).
+    // A 32-block straddles the slice: materialize as fp32 (every E2M1 x E8M0 value is exact).
     s.format = WeightFormat::F32;
     buf.resize(static_cast<size_t>(m.rows * count) * 4);
     std::vector<float> row(static_cast<size_t>(m.cols));

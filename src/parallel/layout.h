@@ -16,6 +16,7 @@
 
 #include "model/config.h"
 #include "model/model_weights.h"
+#include "runtime/deploy_config.h"
 
 namespace k3::parallel {
 
@@ -26,7 +27,12 @@ struct ParallelLayout {
   int dcp = 1;      // decode_context_parallel_size: 1 or tp
   int world() const { return tp * dp; }
   int ep_size() const { return ep ? world() : 1; }
+  bool multi_rank() const { return world() > 1 || ep || dcp > 1; }
 };
+
+// The layout a deployment asks for (tensor_parallel_size, data_parallel_size,
+// enable_expert_parallel, decode_context_parallel_size).
+ParallelLayout layout_of(const DeployConfig& d);
 
 // Raises k3::Error naming the field when the model cannot be laid out this way (head counts or
 // widths not divisible by tp, experts not divisible by the EP size, DCP other than 1 or tp, DSA
@@ -34,7 +40,8 @@ struct ParallelLayout {
 void validate_layout(const ParallelLayout& layout, const ModelConfig& cfg);
 
 // A [rows, cols] matrix sliced for one rank. A row slice is a view (pointer offset); a column
-// slice is materialized into storage the shard owns.
+// slice is materialized into storage the shard owns: MXFP4 stays MXFP4 when the slice is whole
+// 32-column blocks (the GPU reads nothing else), else it becomes exact fp32.
 class RankWeights {
  public:
   RankWeights(const ModelConfig& cfg, const ModelWeights& w, const ParallelLayout& layout,

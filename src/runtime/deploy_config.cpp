@@ -147,7 +147,8 @@ DeployConfig parse_deploy_config(const json& doc) {
   if (!doc.is_object()) fail("deploy config must be a JSON object, got ", doc.type_name());
   check_keys(doc, "",
              {"decode_backend", "kv_cache_dtype", "mamba_cache_dtype", "mamba_ssm_cache_dtype",
-              "max_model_len", "decode_context_parallel_size", "speculative_config",
+              "max_model_len", "tensor_parallel_size", "data_parallel_size",
+              "enable_expert_parallel", "decode_context_parallel_size", "speculative_config",
               "cudagraph_capture_sizes", "max_num_seqs"});
   DeployConfig d;
   for (const auto& [key, v] : doc.items()) {
@@ -157,6 +158,12 @@ DeployConfig parse_deploy_config(const json& doc) {
     if (key == "mamba_ssm_cache_dtype")
       d.mamba_ssm_cache_dtype = parse_state_dtype(key, as_string(v, key));
     if (key == "max_model_len") d.max_model_len = as_int(v, key);
+    if (key == "tensor_parallel_size") d.tensor_parallel_size = as_int32(v, key);
+    if (key == "data_parallel_size") d.data_parallel_size = as_int32(v, key);
+    if (key == "enable_expert_parallel") {
+      if (!v.is_boolean()) type_error(key, "a boolean", v);
+      d.enable_expert_parallel = v.get<bool>();
+    }
     if (key == "decode_context_parallel_size") d.decode_context_parallel_size = as_int32(v, key);
     if (key == "max_num_seqs") d.max_num_seqs = as_int32(v, key);
     if (key == "speculative_config" && !v.is_null()) d.speculative_config = parse_speculative(v);
@@ -176,6 +183,9 @@ json deploy_config_to_json(const DeployConfig& d) {
           {"mamba_cache_dtype", name(d.mamba_cache_dtype)},
           {"mamba_ssm_cache_dtype", name(d.mamba_ssm_cache_dtype)},
           {"max_model_len", d.max_model_len},
+          {"tensor_parallel_size", d.tensor_parallel_size},
+          {"data_parallel_size", d.data_parallel_size},
+          {"enable_expert_parallel", d.enable_expert_parallel},
           {"decode_context_parallel_size", d.decode_context_parallel_size},
           {"speculative_config",
            {{"num_speculative_tokens", s.num_speculative_tokens},
@@ -193,6 +203,9 @@ void validate_deploy_config(const ModelConfig& m, const DeployConfig& d) {
   if (d.max_model_len > m.max_position_embeddings)
     fail("max_model_len ", d.max_model_len, " exceeds the model's max_position_embeddings ",
          m.max_position_embeddings);
+  if (d.tensor_parallel_size < 1)
+    fail("tensor_parallel_size must be >= 1, got ", d.tensor_parallel_size);
+  if (d.data_parallel_size < 1) fail("data_parallel_size must be >= 1, got ", d.data_parallel_size);
   if (d.decode_context_parallel_size < 1)
     fail("decode_context_parallel_size must be >= 1, got ", d.decode_context_parallel_size);
   if (d.max_num_seqs < 1) fail("max_num_seqs must be >= 1, got ", d.max_num_seqs);

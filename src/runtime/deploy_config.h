@@ -40,6 +40,10 @@ struct DeployConfig {
   StateDtype mamba_cache_dtype = StateDtype::Auto;      // KDA conv state
   StateDtype mamba_ssm_cache_dtype = StateDtype::Auto;  // KDA recurrent state
   int64_t max_model_len = 0;                            // 0: the model's max_position_embeddings
+  // The multi-rank layout (vLLM's engine arguments; parallel/layout.h): world = tp x dp ranks.
+  int tensor_parallel_size = 1;
+  int data_parallel_size = 1;
+  bool enable_expert_parallel = false;
   int decode_context_parallel_size = 1;
   SpeculativeConfig speculative_config;
   std::vector<int> cudagraph_capture_sizes;  // rows (requests x q); empty: defaults
@@ -60,6 +64,7 @@ std::string_view name(StateDtype t);
 std::string_view name(SparseMlaKernels k);
 
 // Keys: decode_backend, kv_cache_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype, max_model_len,
+// tensor_parallel_size, data_parallel_size, enable_expert_parallel,
 // decode_context_parallel_size, speculative_config {num_speculative_tokens, method, model,
 // prompt_lookup_min, prompt_lookup_max} (or null), cudagraph_capture_sizes, max_num_seqs.
 // Unknown keys and wrong types raise k3::Error naming the key.
@@ -67,7 +72,7 @@ DeployConfig parse_deploy_config(const nlohmann::json& doc);
 nlohmann::json deploy_config_to_json(const DeployConfig& d);
 
 // Checks that hold for every backend (auto included), naming the field: max_model_len within
-// the model's max_position_embeddings, dcp >= 1, max_num_seqs >= 1, speculative settings
+// the model's max_position_embeddings, tp / dp / dcp >= 1, max_num_seqs >= 1, speculative settings
 // coherent (known method, tokens <-> method, draft model path, ngram window), capture sizes > 0.
 void validate_deploy_config(const ModelConfig& model, const DeployConfig& d);
 
