@@ -13,6 +13,8 @@
 #include "cuda/check.h"
 #include "cuda/graph_pdl.h"
 #include "cuda/linear_plan.h"
+#include "cuda/moe_dispatch.h"
+#include "cuda/rank_ops.h"
 #include "cuda/rms_norm.h"
 #include "cuda/step_ops.h"
 
@@ -30,13 +32,31 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&inputs_copied_, cudaEventDisableTiming));
   K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_in_),
                                (2 * static_cast<size_t>(opt.max_rows) + 1) * sizeof(int32_t)));
+  setup_ranks();
   weights_ = std::make_unique<DeviceWeights>(cfg, w);
+  const RankSetup& rk = opt_.ranks;
   for (size_t l = 0; l < weights_->layers.size(); ++l) {
     const DevMoe& m = weights_->layers[l].moe_w;
-    K3_CHECK(!weights_->layers[l].moe || m.local.count == m.gate.rows || opt.stub_collectives,
-             "MoE layer ", l, " holds experts [", m.local.begin, ", ",
-             m.local.begin + m.local.count, ") of ", m.gate.rows,
-             ": an expert-parallel slice runs only with stub_collectives (one rank alone)");
+    if (!weights_->layers[l].moe) continue;
+    if (rk.ep()) {
+      // EP rank r holds experts [r * E / world, (r + 1) * E / world) (parallel::RankWeights).
+      const int per = static_cast<int>(m.gate.rows) / rk.layout.world();
+      K3_CHECK(m.local.begin == rk.rank * per && m.local.count == per, "MoE layer ", l,
+               " holds experts [", m.local.begin, ", ", m.local.begin + m.local.count,
+               "), not expert-parallel rank ", rk.rank, "'s [", rk.rank * per, ", ",
+               (rk.rank + 1) * per, ")");
+      K3_CHECK(static_cast<int64_t>(rk.layout.world()) * opt.max_rows * cfg.num_experts_per_token <=
+                   kMaxGroupedPairs,
+               "expert parallelism over ", rk.layout.world(), " ranks at ", opt.max_rows,
+               " rows each gathers more than ", kMaxGroupedPairs,
+               " (row, expert) pairs per step; lower the rows per step");
+    } else {
+      K3_CHECK(m.local.count == m.gate.rows || opt.stub_collectives, "MoE layer ", l,
+               " holds experts [", m.local.begin, ", ", m.local.begin + m.local.count, ") of ",
+               m.gate.rows,
+               ": an expert-parallel slice runs only with its EP communicator or with "
+               "stub_collectives (one rank alone)");
+    }
   }
   bind_pool();
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
@@ -114,15 +134,19 @@ void CudaBackbone::rebind_cache(const SlotPoolShape& shape) {
 }
 
 void CudaBackbone::bind_pool() {
+  // DCP: this rank caches every dcp-th token of each context.
+  opt_.pool.cache_shards = opt_.ranks.dcp() ? opt_.ranks.layout.dcp : 1;
   pool_ = std::make_unique<SlotPool>(cfg_, opt_.pool);
   host_pos_.assign(static_cast<size_t>(opt_.pool.slots), 0);
   size_t mla_ws = 0;
+  // Attention rows: the step's, or under DCP every rank's queries over this rank's tokens.
+  const int attn_rows = opt_.max_rows * opt_.pool.cache_shards;
   if (cfg_.num_hidden_layers > static_cast<int>(cfg_.linear_attn_config.kda_layers.size()))
-    for (int r = 1; r <= opt_.max_rows; ++r)
+    for (int r = 1; r <= attn_rows; ++r)
       for (const bool invariant : {false, true})
         mla_ws = std::max(mla_ws, mla_decode_workspace_bytes(mla_plan(r, invariant)));
   buf_ = std::make_unique<Buffers>(cfg_, *weights_, opt_.max_rows, pool_->pages_per_slot(),
-                                   opt_.pool.max_context, mla_ws);
+                                   opt_.pool.max_context, mla_ws, opt_.ranks);
 }
 
 CudaBackbone::~CudaBackbone() {
@@ -174,12 +198,12 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows, bool invariant) {
   p.kv_lora = cfg_.kv_lora_rank;
   p.rope = cfg_.qk_rope_head_dim;
   p.page_size = opt_.pool.page_size;
-  p.max_pages = static_cast<int>((opt_.pool.max_context + p.page_size - 1) / p.page_size);
+  p.max_pages = pool_->pages_per_slot();
   if (cfg_.dsa_config.enabled) {
     p.max_sel = cfg_.dsa_config.index_topk;
     p.max_tokens = std::min<int64_t>(cfg_.dsa_config.index_topk, opt_.pool.max_context);
   } else {
-    p.max_tokens = opt_.pool.max_context;
+    p.max_tokens = opt_.pool.cached_tokens();
   }
   MlaDecodePlan plan = plan_mla_decode(p, sms_);
   // Batch-invariant: the one-row split of the tokens, so a row's sum order is its own.
@@ -207,7 +231,7 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
              " has two separate runs of rows in one step (its rows must be consecutive)");
     seen[static_cast<size_t>(s)] = true;
     run = continues ? run + 1 : 1;
-    longest = std::max(longest, run);
+    if (s != opt_.padding_slot) longest = std::max(longest, run);
     K3_CHECK(t >= 0 && t < cfg_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
              cfg_.vocab_size, ")");
     K3_CHECK(host_pos_[static_cast<size_t>(s)] + run <= opt_.pool.max_context, "context length ",
@@ -248,7 +272,8 @@ void CudaBackbone::run_graph(int64_t rows, StepPath path) {
   }
   if (it == graphs_.end()) {
     cudaGraph_t graph = nullptr;
-    K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    foreign_nodes_.clear();
+    K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, capture_mode()));
     try {
       enqueue(rows, path);
     } catch (...) {
@@ -259,7 +284,7 @@ void CudaBackbone::run_graph(int64_t rows, StepPath path) {
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
     if (path == StepPath::Specialized && opt_.tuning.pdl) {
       try {
-        make_kernel_edges_programmatic(graph);
+        make_kernel_edges_programmatic(graph, foreign_nodes_);
       } catch (...) {
         (void)cudaGraphDestroy(graph);
         throw;
@@ -316,12 +341,14 @@ std::vector<StageTime> CudaBackbone::profile_step(std::span<const int32_t> slots
     marks.used = 0;
     // Capture by hand (step() would replay the plain graph): inputs are already staged.
     cudaGraph_t graph = nullptr;
-    K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    foreign_nodes_.clear();
+    K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, capture_mode()));
     mark("start");
     enqueue(static_cast<int64_t>(slots.size()), path);
     mark("end");
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    if (path == StepPath::Specialized && opt_.tuning.pdl) make_kernel_edges_programmatic(graph);
+    if (path == StepPath::Specialized && opt_.tuning.pdl)
+      make_kernel_edges_programmatic(graph, foreign_nodes_);
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);
     K3_CUDA_CHECK(inst);
@@ -433,13 +460,22 @@ void CudaBackbone::attn_residual(bool restart, int64_t R) {
     add_bf16(b.P.data(), b.sub.data(), n, b.P.data(), stream_);
 }
 
+void CudaBackbone::prepare_step_rows(int64_t R) {
+  Buffers& b = *buf_;
+  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(), pool_->pages_per_slot(),
+               b.row_pos.data(), b.row_seq.data(), b.row_table.data(), stream_);
+  if (opt_.ranks.dcp())
+    dcp_rows(b.row_pos.data(), b.row_table.data(), R, pool_->pages_per_slot(),
+             opt_.ranks.layout.dcp, opt_.ranks.tp_rank(), b.dcp_pos.data(), b.dcp_seq.data(),
+             b.dcp_table.data(), stream_);
+}
+
 void CudaBackbone::enqueue_stock(int64_t R) {
   Buffers& b = *buf_;
   const DeviceWeights& W = *weights_;
   const int64_t H = cfg_.hidden_size;
   const float eps = cfg_.rms_norm_eps;
-  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(), pool_->pages_per_slot(),
-               b.row_pos.data(), b.row_seq.data(), b.row_table.data(), stream_);
+  prepare_step_rows(R);
   embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
 
   int n_blocks = 0;

@@ -17,29 +17,26 @@
 #include <initializer_list>
 #include <map>
 #include <memory>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "cuda/device_buffer.h"
+#include "cuda/device_communicator.h"
 #include "cuda/device_state.h"
 #include "cuda/device_weights.h"
 #include "cuda/kda_decode.h"
 #include "cuda/mla_decode.h"
+#include "cuda/step_executor.h"
 #include "model/config.h"
+#include "parallel/layout.h"
 
 namespace k3::cuda {
 
 // Per-sublayer observer for diff reports (the CPU backbone's LayerObserver): layer, "attn" or
 // "ffn", and that sublayer's output for every row, [rows][hidden] as floats.
 using LayerTap = std::function<void(int layer, const char* part, const std::vector<float>& out)>;
-
-// Which executor runs a step. Both read and write the same state and boundary tensors, so they
-// interleave freely step by step.
-enum class StepPath {
-  Stock,        // decode_backend = auto: one kernel per op (backbone.cu, backbone_layers.cu)
-  Specialized,  // latency_specialized: fused providers, PDL-chained graphs (backbone_fused.cu)
-};
 
 // The L2 prefetch budget of the specialized path (and what k3_bench_step flips it against).
 constexpr size_t kL2PrefetchTrialBytes = 24u << 20;
@@ -68,6 +65,24 @@ struct SpecializedTuning {
   bool fold_moe_residual = false;
 };
 
+// This backbone as one rank of a multi-rank layout (parallel/layout.h; DESIGN.md "Multi-rank"):
+// its weights are the rank's parallel::RankWeights (the config with the local head counts), and
+// the step runs the layout's collectives on these communicators: the TP sum after each sharded
+// sublayer (attention o_proj, dense down, shared experts, TP-sliced routed experts), the EP
+// gather of every rank's expert inputs and the reduce-scatter of the pairs' outputs, and DCP's
+// query gather and partial-attention exchange. Communicators given (even of one rank) are used;
+// a missing one means that dimension is not split.
+struct RankSetup {
+  parallel::ParallelLayout layout;
+  int rank = 0;                         // dp_rank * tp + tp_rank
+  DeviceCommunicator* world = nullptr;  // every rank (EP), or null
+  DeviceCommunicator* tp = nullptr;     // this replica's tp ranks (TP sums, DCP), or null
+  bool any() const { return world != nullptr || tp != nullptr; }
+  int tp_rank() const { return rank % layout.tp; }
+  bool ep() const { return layout.ep && world != nullptr; }
+  bool dcp() const { return layout.dcp > 1; }
+};
+
 struct CudaBackboneOptions {
   int max_rows = 64;   // rows (requests) per step
   SlotPoolShape pool;  // slots, context, page size, KDA state dtype
@@ -83,6 +98,10 @@ struct CudaBackboneOptions {
   // partial sum where a multi-GPU step would first all-reduce it. Without it such weights are
   // refused: a single-GPU step must hold every expert.
   bool stub_collectives = false;
+  RankSetup ranks;  // one rank of a multi-rank layout (default: the whole model on this GPU)
+  // A slot the multi-rank driver pads steps with (-1: none): its run may be longer than the
+  // reserved KDA snapshots (the kernel keeps none past them) and nothing of it is ever read.
+  int padding_slot = -1;
 };
 
 // Time per stage of one step (profile_step), summed over layers: where the time goes.
@@ -91,28 +110,30 @@ struct StageTime {
   double ms = 0;
 };
 
-class CudaBackbone {
+class CudaBackbone final : public StepExecutor {
  public:
   CudaBackbone(const ModelConfig& cfg, const ModelWeights& w, const CudaBackboneOptions& opt);
-  ~CudaBackbone();
+  ~CudaBackbone() override;
   CudaBackbone(const CudaBackbone&) = delete;
   CudaBackbone& operator=(const CudaBackbone&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   SlotPool& pool() { return *pool_; }
-  int max_rows() const { return opt_.max_rows; }
+  int max_rows() const override { return opt_.max_rows; }
+  int slots() const override { return opt_.pool.slots; }
+  int64_t max_context() const override { return opt_.pool.max_context; }
   cudaStream_t stream() const { return stream_; }
 
   // Zeroes a slot for a new request (ordered before the next step).
-  void reset_slot(int slot);
-  int64_t position(int slot) const;  // tokens the slot has consumed (host mirror, no sync)
+  void reset_slot(int slot) override;
+  int64_t position(int slot) const override;  // tokens consumed (host mirror, no sync)
   // Speculative verify support (SlotPool's snapshots): keep / restore slot s's KDA state as
   // copy `index`, and move its position back to an accepted length. Growing the snapshots
   // reallocates them, so it drops the captured graphs (recaptured on their next step).
-  void reserve_snapshots(int n);
+  void reserve_snapshots(int n) override;
   void save_kda(int slot, int index) { pool_->save_kda(slot, index, stream_); }
-  void restore_kda(int slot, int index) { pool_->restore_kda(slot, index, stream_); }
-  void set_position(int slot, int64_t position);
+  void restore_kda(int slot, int index) override { pool_->restore_kda(slot, index, stream_); }
+  void set_position(int slot, int64_t position) override;
   // Benchmarks: slot s as if `tokens` tokens had been decoded (SlotPool::fill_synthetic).
   void assume_context(int slot, int64_t tokens);
 
@@ -123,15 +144,15 @@ class CudaBackbone {
   // (t < run - 1) is kept as snapshot t of its slot (restore_kda commits a verified prefix);
   // needs reserve_snapshots(longest run - 1).
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
-            StepPath path = StepPath::Stock, bool keep_kda_states = false);
+            StepPath path = StepPath::Stock, bool keep_kda_states = false) override;
   const float* logits() const;  // [max_rows][vocab] fp32 (device)
   // Waits for the step and copies rows x vocab logits to the host.
   void logits_to_host(int64_t rows, float* out);
   // Waits for the step and copies the logits of step row rows[i] to out[i] ([vocab] fp32 each).
-  void logits_rows_to_host(std::span<const int64_t> rows, std::span<float* const> out);
+  void logits_rows_to_host(std::span<const int64_t> rows, std::span<float* const> out) override;
   // Waits for the step and copies the rows' final-normed hidden states (the lm_head input,
   // [rows][hidden] bf16 on the device) to the host as fp32: a draft model's input.
-  void hidden_to_host(int64_t rows, float* out);
+  void hidden_to_host(int64_t rows, float* out) override;
   // Greedy ids of the last step's rows (argmax on the device; waits).
   void greedy(int64_t rows, int32_t* ids);
 
@@ -154,8 +175,8 @@ class CudaBackbone {
   void set_specialized_tuning(const SpecializedTuning& t);
 
   int graphs_captured() const { return static_cast<int>(graphs_.size()); }
-  bool specialized_ready() const { return !opt_.capture_sizes.empty(); }
-  int max_capture_rows() const {
+  bool specialized_ready() const override { return !opt_.capture_sizes.empty(); }
+  int max_capture_rows() const override {
     return opt_.capture_sizes.empty() ? 0 : opt_.capture_sizes.back();
   }
   uint64_t weight_bytes() const { return weights_->bytes(); }
@@ -167,6 +188,15 @@ class CudaBackbone {
   void capture_specialized();                   // every capture size, at load / rebind
   void bind_pool();  // slot pool, host positions and step buffers for opt_.pool
   void enqueue_stock(int64_t rows);
+  void prepare_step_rows(int64_t rows);  // positions, lengths, block tables (and DCP's) per row
+  // Checks opt_.ranks against the layout; graph-unsafe communicators turn graphs off and ranks
+  // turn the measured GEMM plan choice off (backbone_ranks.cu).
+  void setup_ranks();
+  // Graph capture mode: relaxed when collectives run in the graph (NCCL calls CUDA APIs a
+  // thread-local capture would refuse), else thread-local.
+  cudaStreamCaptureMode capture_mode() const {
+    return opt_.ranks.any() ? cudaStreamCaptureModeRelaxed : cudaStreamCaptureModeThreadLocal;
+  }
   void write_bank_block(int j, int64_t rows);      // AttnRes bank block j = P
   void attn_residual(bool restart, int64_t rows);  // P = sub (restart) or P += sub
   void enqueue_specialized(int64_t rows);
@@ -187,6 +217,31 @@ class CudaBackbone {
   void kda_core(int layer, int64_t rows, const __nv_bfloat16* u, const __nv_bfloat16* beta,
                 const __nv_bfloat16* z, const KdaDecodeStrides& strides);
   void attn_mla(int layer, int64_t rows, const LinearEpilogue& out = {});
+  // Multi-rank pieces (backbone_ranks.cu). A collective on stream_: in a capture, the nodes it
+  // adds are remembered so the graph's programmatic edges skip them.
+  void collective(const std::function<void()>& run);
+  // sub = in . w^T (a sublayer's output projection, `out` its store epilogue); on a TP rank the
+  // fp32 partial sums are all-reduced first and `out`'s residual applied after the sum.
+  void project_out(const DevMatrix& w, const __nv_bfloat16* in, int64_t K, int64_t rows,
+                   const LinearEpilogue& out);
+  // partial [n] fp32 summed over the TP ranks into out [n] bf16 (no-op copy-round alone).
+  void tp_sum_to_bf16(float* partial, int64_t n, __nv_bfloat16* out);
+  bool tp_sums() const { return opt_.ranks.tp != nullptr; }
+  // The routed experts' input rows: this rank's (z, expert ids), or under EP every rank's,
+  // gathered (pairs replicated over a replica's tp ranks kept by one of them). Returns rows.
+  int64_t expert_rows(const __nv_bfloat16*& z, const int32_t*& ids, int64_t L, int64_t rows);
+  // The w2 output buffer: bf16 moe_y, or fp32 moe_y32 when TP-sliced experts are summed after.
+  void* expert_out() const;
+  bool expert_out_fp32() const { return tp_sums() && !opt_.ranks.ep(); }
+  // After w2 over expert_rows' rows: the pair outputs moe_combine reads (y, and y_pos for
+  // expert-grouped order or null for (row, choice) order), summed over the ranks as needed.
+  std::pair<const __nv_bfloat16*, const int32_t*> routed_outputs(int64_t rows, int64_t L);
+  // The shared experts' down-projection output (fp32 partials on a TP rank, else bf16
+  // b.shared), and its end: the partial sums reduced into b.shared.
+  void* shared_out() const;
+  void finish_shared(int64_t rows);
+  // DCP: the MLA attention of this rank's heads over every rank's tokens (o_latent).
+  void mla_attend_dcp(int layer, int64_t rows, float scale);
   void dsa_select(int layer, int64_t rows);  // fills the rows' selected token lists
   void ffn_dense(int layer, int64_t rows);
   void ffn_moe(int layer, int64_t rows);
@@ -224,6 +279,7 @@ class CudaBackbone {
   int32_t* host_in_ = nullptr;  // pinned [2 * max_rows + 1]: slots, tokens, keep_kda flag
   void bf16_to_host(const __nv_bfloat16* src, size_t n, float* out);  // waits for the stream
   cudaEvent_t inputs_copied_ = nullptr;
+  std::set<cudaGraphNode_t> foreign_nodes_;  // collectives' nodes of the capture in progress
 };
 
 }  // namespace k3::cuda

@@ -49,9 +49,11 @@ int64_t rows_of(const DevMatrix& m) {
 }  // namespace
 
 CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, int mr,
-                               int pages_per_slot, int64_t max_context, size_t mla_workspace)
+                               int pages_per_slot, int64_t max_context, size_t mla_workspace,
+                               const RankSetup& ranks)
     : max_rows(mr), hidden(cfg.hidden_size) {
   const int64_t R = mr, H = cfg.hidden_size;
+  const int64_t XR = R * (ranks.ep() ? ranks.layout.world() : 1);  // expert rows
   int blocks = 0;
   for (int l = 0; l < cfg.num_hidden_layers; ++l) blocks += cfg.is_attn_res_write_layer(l) ? 1 : 0;
 
@@ -115,13 +117,13 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   expert_w = make<float>(R * k);
   group_expert = make<int32_t>(E);
   group_offsets = make<int32_t>(E + 1);
-  group_rows = make<int32_t>(R * k);
-  group_pos = make<int32_t>(R * k);
+  group_rows = make<int32_t>(XR * k);
+  group_pos = make<int32_t>(XR * k);
   moe_z = make<__nv_bfloat16>(R * L);
-  moe_g32 = make<float>(R * k * inter);
-  moe_u32 = make<float>(R * k * inter);
-  moe_h = make<__nv_bfloat16>(R * k * inter);
-  moe_y = make<__nv_bfloat16>(R * k * L);
+  moe_g32 = make<float>(XR * k * inter);
+  moe_u32 = make<float>(XR * k * inter);
+  moe_h = make<__nv_bfloat16>(XR * k * inter);
+  moe_y = make<__nv_bfloat16>(XR * k * L);
   moe_acc = make<__nv_bfloat16>(R * L);
   moe_routed = make<__nv_bfloat16>(R * H);
   ffn_g32 = make<float>(R * ffn_i);
@@ -129,10 +131,34 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   ffn_h = make<__nv_bfloat16>(R * ffn_i);
   shared = make<__nv_bfloat16>(R * H);
   kda_in = make<__nv_bfloat16>(R * kda_in_n);
-  moe_gu32 = make<float>(R * k * 2 * inter);
+  moe_gu32 = make<float>(XR * k * 2 * inter);
   ffn_gu32 = make<float>(R * 2 * ffn_i);
   shared_h = make<__nv_bfloat16>(R * ffn_i);
   logits = make<float>(R * cfg.vocab_size);
+
+  if (!ranks.any()) return;
+  red = make<float>(R * H);
+  shared32 = make<float>(R * H);
+  moe_y32 = make<float>(R * k * L);
+  if (ranks.ep()) {
+    const int64_t W = ranks.layout.world();
+    ep_z = make<__nv_bfloat16>(W * R * L);
+    ep_ids = make<int32_t>(W * R * k);
+    ep_pairs = make<__nv_bfloat16>(W * R * k * L);
+    ep_own = make<__nv_bfloat16>(R * k * L);
+  }
+  if (ranks.dcp()) {
+    const int64_t D = ranks.layout.dcp, kvl = cfg.kv_lora_rank;
+    dcp_pos = make<int32_t>(R);
+    dcp_seq = make<int32_t>(D * R);
+    dcp_table = make<int32_t>(D * R * pages_per_slot);
+    dcp_q_abs = make<__nv_bfloat16>(D * R * nh * kvl);
+    dcp_q_pe = make<__nv_bfloat16>(D * R * nh * cfg.qk_rope_head_dim);
+    dcp_o = make<float>(D * R * nh * kvl);
+    dcp_o_recv = make<float>(D * R * nh * kvl);
+    dcp_lse = make<float>(D * R * nh);
+    dcp_lse_recv = make<float>(D * R * nh);
+  }
 }
 
 }  // namespace k3::cuda

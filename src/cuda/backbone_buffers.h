@@ -18,8 +18,10 @@ namespace k3::cuda {
 void check_cuda_support(const ModelConfig& cfg, const ModelWeights& w);
 
 struct CudaBackbone::Buffers {
+  // ranks: the multi-rank role (RankSetup), which sizes the expert rows (ep_ranks = the EP
+  // world or 1) and the rank buffers below.
   Buffers(const ModelConfig& cfg, const DeviceWeights& w, int max_rows, int pages_per_slot,
-          int64_t max_context, size_t mla_workspace);
+          int64_t max_context, size_t mla_workspace, const RankSetup& ranks);
 
   int64_t max_rows = 0, hidden = 0;
   // Step inputs and per-row values derived on the device.
@@ -63,15 +65,16 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<float> router_logits;  // [rows][E] fp32
   DeviceBuffer<int32_t> expert_ids;   // [rows][top_k] int32
   DeviceBuffer<float> expert_w;       // [rows][top_k] fp32
-  // The pairs grouped by expert (moe_dispatch.h): one grouped-GEMM slot per expert.
+  // The pairs grouped by expert (moe_dispatch.h): one grouped-GEMM slot per expert. Expert rows
+  // (xrows) are the step's rows, or under EP every rank's: ep_ranks x rows.
   DeviceBuffer<int32_t> group_expert;      // [E] int32 expert id or -1
   DeviceBuffer<int32_t> group_offsets;     // [E + 1] int32
-  DeviceBuffer<int32_t> group_rows;        // [rows * top_k] int32 token row per grouped position
-  DeviceBuffer<int32_t> group_pos;         // [rows * top_k] int32 grouped position of (r, j)
+  DeviceBuffer<int32_t> group_rows;        // [xrows * top_k] int32 token row per grouped position
+  DeviceBuffer<int32_t> group_pos;         // [xrows * top_k] int32 grouped position of (r, j)
   DeviceBuffer<__nv_bfloat16> moe_z;       // [rows][L] bf16 latent input
-  DeviceBuffer<float> moe_g32, moe_u32;    // [rows * top_k][inter] fp32 gate / up outputs
-  DeviceBuffer<__nv_bfloat16> moe_h;       // [rows * top_k][inter] bf16 activation
-  DeviceBuffer<__nv_bfloat16> moe_y;       // [rows * top_k][L] bf16, expert-grouped order
+  DeviceBuffer<float> moe_g32, moe_u32;    // [xrows * top_k][inter] fp32 gate / up outputs
+  DeviceBuffer<__nv_bfloat16> moe_h;       // [xrows * top_k][inter] bf16 activation
+  DeviceBuffer<__nv_bfloat16> moe_y;       // [xrows * top_k][L] bf16, expert-grouped order
   DeviceBuffer<__nv_bfloat16> moe_acc;     // [rows][L] bf16
   DeviceBuffer<__nv_bfloat16> moe_routed;  // [rows][hidden] bf16
   // Gate / up outputs stay fp32 up to the activation (cpu glu_mlp rounds only its output).
@@ -81,10 +84,26 @@ struct CudaBackbone::Buffers {
   // Specialized path: outputs of the fused GEMMs.
   int64_t kda_in_n = 0;                  // widest KDA in_proj row stride (in_layout.ld)
   DeviceBuffer<__nv_bfloat16> kda_in;    // [rows][kda_in_n] bf16
-  DeviceBuffer<float> moe_gu32;          // [rows * top_k][2 * inter] fp32, w1 | w3 outputs
+  DeviceBuffer<float> moe_gu32;          // [xrows * top_k][2 * inter] fp32, w1 | w3 outputs
   DeviceBuffer<float> ffn_gu32;          // [rows][2 * max(dense I, shared I)] fp32
   DeviceBuffer<__nv_bfloat16> shared_h;  // [rows][max(dense I, shared I)] bf16 (side stream)
   DeviceBuffer<float> logits;            // [rows][vocab] fp32
+  // One rank of a multi-rank layout (RankSetup): partial sums before their TP all-reduce,
+  // the EP exchange and DCP's attention pieces (allocated only when the layout uses them).
+  DeviceBuffer<float> red;                // [rows][hidden] fp32 o_proj / down partial sums
+  DeviceBuffer<float> shared32;           // [rows][hidden] fp32 shared experts' partial output
+  DeviceBuffer<float> moe_y32;            // [rows * top_k][L] fp32 TP-sliced experts' partials
+  DeviceBuffer<__nv_bfloat16> ep_z;       // [ep_ranks * rows][L] bf16 gathered expert inputs
+  DeviceBuffer<int32_t> ep_ids;           // [ep_ranks * rows][top_k] int32 gathered expert ids
+  DeviceBuffer<__nv_bfloat16> ep_pairs;   // [ep_ranks * rows * top_k][L] bf16 outputs, pair order
+  DeviceBuffer<__nv_bfloat16> ep_own;     // [rows * top_k][L] bf16 this rank's pairs' outputs
+  DeviceBuffer<int32_t> dcp_pos;          // [rows] int32 local cache index or -1
+  DeviceBuffer<int32_t> dcp_seq;          // [dcp * rows] int32 local context lengths
+  DeviceBuffer<int32_t> dcp_table;        // [dcp * rows][pages_per_slot] int32
+  DeviceBuffer<__nv_bfloat16> dcp_q_abs;  // [dcp * rows][heads][kv_lora] bf16 gathered queries
+  DeviceBuffer<__nv_bfloat16> dcp_q_pe;   // [dcp * rows][heads][rope] bf16
+  DeviceBuffer<float> dcp_o, dcp_o_recv;  // [dcp * rows][heads][kv_lora] fp32 partials
+  DeviceBuffer<float> dcp_lse, dcp_lse_recv;  // [dcp * rows][heads] fp32
 };
 
 }  // namespace k3::cuda

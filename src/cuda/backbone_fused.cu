@@ -77,8 +77,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
   const DeviceWeights& W = *weights_;
   const int64_t H = cfg_.hidden_size;
   mark("embed");
-  prepare_rows(b.slots.data(), R, pool_->positions(), pool_->block_table(), pool_->pages_per_slot(),
-               b.row_pos.data(), b.row_seq.data(), b.row_table.data(), stream_);
+  prepare_step_rows(R);
   embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
 
   int n_blocks = 0;
@@ -157,7 +156,7 @@ void CudaBackbone::attn_kda_fused(int l, int64_t R, const LinearEpilogue& out) {
   kda_core(l, R, b.kda_in.data(), b.kda_in.data() + in.b, z, st);
   if (warm) join_side();
   mark("attn_o_proj");
-  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, out, stream_);
+  project_out(k.o_proj, b.kda_gated.data(), P, R, out);
 }
 
 void CudaBackbone::ffn_dense_fused(int l, int64_t R) {
@@ -172,7 +171,7 @@ void CudaBackbone::ffn_dense_fused(int l, int64_t R) {
   linear(d.gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * I, true, stream_);
   glu(glu_act(cfg_), b.ffn_gu32.data(), 2 * I, b.ffn_gu32.data() + I, 2 * I, R, I, b.ffn_h.data(),
       I, stream_);
-  linear(d.down, b.ffn_h.data(), I, R, b.sub.data(), H, false, stream_);
+  project_out(d.down, b.ffn_h.data(), I, R, {});
 }
 
 bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
@@ -195,7 +194,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     }
     glu(act, b.ffn_gu32.data(), 2 * S, b.ffn_gu32.data() + S, 2 * S, R, S, b.shared_h.data(), S,
         side_);
-    linear(m.shared_down, b.shared_h.data(), S, R, b.shared.data(), H, false, side_);
+    linear(m.shared_down, b.shared_h.data(), S, R, shared_out(), H, tp_sums(), side_);
   };
   const bool beside = opt_.tuning.latent_beside_router;
   if (beside || shared) fork_side();  // (every fork is joined before the layer ends)
@@ -204,14 +203,21 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   // beside: the latent down-projection on the side stream next to the router GEMM and top-k
   // (both read x only), the shared experts after it there.
   const __nv_bfloat16* z = route_and_project(m, R, L, beside ? side_ : stream_);
-  const int rows = static_cast<int>(R);
-  const int n = static_cast<int>(R * k);
+  // Under EP the expert rows are every rank's, gathered once z is ready.
+  const bool ep = opt_.ranks.ep();
+  if (beside && ep) {
+    join_side();  // z is ready
+    shared_experts();
+  }
+  const int32_t* ids = nullptr;
+  const int64_t XR = expert_rows(z, ids, L, R);
+  const int rows = static_cast<int>(XR);
+  const int n = static_cast<int>(XR * k);
   // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.
   const int slots = std::min(m.local.count, n);
-  moe_group_by_expert_compact(b.expert_ids.data(), R, k, m.local, b.group_expert.data(),
-                              b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(),
-                              stream_);
-  if (beside) {
+  moe_group_by_expert_compact(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
+                              b.group_rows.data(), b.group_pos.data(), stream_);
+  if (beside && !ep) {
     join_side();  // z is ready
     shared_experts();
   }
@@ -224,7 +230,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
       b.group_rows.data(),
       slots,
       rows,
-      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, R, slots)};
+      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, XR, slots)};
   if (m.w13) {
     expert_linear(m.expert_format, m.w13, m.w13_scales, eg, true, z, L, 2 * I, L, b.moe_gu32.data(),
                   true, stream_);
@@ -239,24 +245,29 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   // The down-projection applies the GLU as it stages its input (one launch fewer), where the
   // kernel takes these operands (MXFP4, fused w1|w3 output rows); else GLU, then the GEMM.
   if (!(m.w13 && opt_.tuning.glu_in_down_proj &&
-        expert_down_glu(m, eg, act, b.moe_gu32.data(), 2 * I, I, b.moe_y.data(), stream_))) {
+        expert_down_glu(m, eg, act, b.moe_gu32.data(), 2 * I, I, expert_out(), expert_out_fp32(),
+                        stream_))) {
     const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
     const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
     const int64_t gu_ld = m.w13 ? 2 * I : I;
     glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
     expert_linear(m.expert_format, m.w2, m.w2_scales, eg, false, b.moe_h.data(), I, L, I,
-                  b.moe_y.data(), false, stream_);
+                  expert_out(), expert_out_fp32(), stream_);
   }
 
   mark("moe_combine_up");
+  const auto [y, y_pos] = routed_outputs(R, L);
   const bool up = !m.latent_up.empty();
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
-  moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
-              cfg_.rms_norm_eps, routed, stream_, b.group_pos.data());
+  moe_combine(y, b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr, cfg_.rms_norm_eps,
+              routed, stream_, y_pos);
   if (up && opt_.tuning.fold_moe_residual) {
     // The latent up-projection's store adds the shared experts' output (sub = routed + shared)
     // and the layer's residual (P += sub), rounding as the separate adds.
-    if (shared) join_side();
+    if (shared) {
+      join_side();
+      finish_shared(R);
+    }
     LinearEpilogue tail;
     tail.add = shared ? b.shared.data() : nullptr;
     tail.res = b.P.data();
@@ -274,6 +285,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     return false;
   }
   join_side();
+  finish_shared(R);
   // sub = routed + shared, then P += sub, in one launch.
   add_bf16_residual(routed, b.shared.data(), R * H, b.sub.data(), b.P.data(), stream_);
   return true;

@@ -75,11 +75,11 @@ void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const*
 }
 
 bool expert_down_glu(const DevMoe& m, const ExpertGroups& eg, const GluAct& act, const float* gu,
-                     int64_t ld_gu, int64_t up, __nv_bfloat16* y, cudaStream_t stream) {
+                     int64_t ld_gu, int64_t up, void* y, bool y_fp32, cudaStream_t stream) {
   if (m.expert_format != WeightFormat::MXFP4) return false;
   const Mxfp4Grouped g = mxfp4_groups(m.w2, m.w2_scales, eg, nullptr);
   if (!grouped_glu_supported(g, m.inter, gu, ld_gu, up)) return false;
-  linear_mxfp4_grouped_glu(g, gu, ld_gu, up, act, m.io, m.inter, y, m.io, false, stream);
+  linear_mxfp4_grouped_glu(g, gu, ld_gu, up, act, m.io, m.inter, y, m.io, y_fp32, stream);
   return true;
 }
 
@@ -105,7 +105,7 @@ void CudaBackbone::attn_kda(int l, int64_t R) {
   mark("kda_core");
   kda_core(l, R, b.kda_u.data(), b.kda_beta.data(), b.kda_z.data(), KdaDecodeStrides{});
   mark("attn_o_proj");
-  linear(k.o_proj, b.kda_gated.data(), P, R, b.sub.data(), H, false, stream_);
+  project_out(k.o_proj, b.kda_gated.data(), P, R, {});
 }
 
 void CudaBackbone::kda_core(int l, int64_t R, const __nv_bfloat16* u, const __nv_bfloat16* beta,
@@ -167,18 +167,23 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   // This token's cache entry: normed c then raw k_pe, appended at the row's position.
   linear(m.kv_a, b.x.data(), H, R, b.mla_kv.data(), kvw, false, stream_);
   rms_norm(b.mla_kv.data(), kvw, m.kv_a_norm, R, kvl, kLatentEps, b.mla_kv.data(), kvw, stream_);
+  // DCP: the entry goes to its token's rank at the local index (-1 elsewhere: skipped), and
+  // this rank's lengths count the tokens it holds.
+  const bool dcp = opt_.ranks.dcp();
+  const int32_t* cache_pos = dcp ? b.dcp_pos.data() : b.row_pos.data();
+  const int32_t* cache_len = dcp ? b.dcp_seq.data() : b.row_seq.data();
   if (pool_->latent_format() == cpu::LatentFormat::BF16) {
     mla_cache_append(b.mla_kv.data(), R, static_cast<int>(kvw), b.row_table.data(),
-                     pool_->pages_per_slot(), b.row_pos.data(), pool_->page_size(),
-                     pool_->latent(l), stream_);
+                     pool_->pages_per_slot(), cache_pos, pool_->page_size(), pool_->latent(l),
+                     stream_);
   } else {
     // Packed kv_cache_dtype: append in the format, then dequantize the rows' contexts into the
     // shared bf16 scratch the attention kernel reads (plain path: 2 extra passes over the cache).
     latent_cache_append(pool_->latent_format(), b.mla_kv.data(), R, kvl, rope, b.row_table.data(),
-                        pool_->pages_per_slot(), b.row_pos.data(), pool_->page_size(),
+                        pool_->pages_per_slot(), cache_pos, pool_->page_size(),
                         pool_->latent_packed(l), stream_);
     latent_cache_to_bf16(pool_->latent_format(), pool_->latent_packed(l), kvl, rope,
-                         b.row_table.data(), pool_->pages_per_slot(), b.row_seq.data(), R,
+                         b.row_table.data(), pool_->pages_per_slot(), cache_len, R,
                          pool_->page_size(), pool_->latent(l), stream_);
   }
 
@@ -192,10 +197,13 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   }
   mla_absorb_q(b.mla_q.data(), m.kv_b.bf16(), R, nh, nope, rope, vd, kvl, b.mla_q_abs.data(),
                b.mla_q_pe.data(), stream_);
-  mla_decode(mla_plan(R), b.mla_q_abs.data(), b.mla_q_pe.data(), pool_->latent(l),
-             b.row_table.data(), b.row_seq.data(), selected, n_selected,
-             1.0f / std::sqrt(static_cast<float>(nope + rope)), b.mla_ws.data(), b.mla_o_lat.data(),
-             /*o_bf16=*/false, stream_);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(nope + rope));
+  if (dcp)
+    mla_attend_dcp(l, R, scale);
+  else
+    mla_decode(mla_plan(R), b.mla_q_abs.data(), b.mla_q_pe.data(), pool_->latent(l),
+               b.row_table.data(), b.row_seq.data(), selected, n_selected, scale, b.mla_ws.data(),
+               b.mla_o_lat.data(), /*o_bf16=*/false, stream_);
   const __nv_bfloat16* gate = nullptr;
   if (!m.g_proj.empty()) {
     linear(m.g_proj, b.x.data(), H, R, b.mla_gate.data(), static_cast<int64_t>(nh) * vd, false,
@@ -205,7 +213,7 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   mla_unabsorb_v(b.mla_o_lat.data(), m.kv_b.bf16(), gate, R, nh, nope, vd, kvl, b.mla_o.data(),
                  stream_);
   mark("attn_o_proj");
-  linear(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, b.sub.data(), H, out, stream_);
+  project_out(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, out);
 }
 
 void CudaBackbone::ffn_dense(int l, int64_t R) {
@@ -216,7 +224,7 @@ void CudaBackbone::ffn_dense(int l, int64_t R) {
   linear(d.gate, b.x.data(), H, R, b.ffn_g32.data(), I, true, stream_);
   linear(d.up, b.x.data(), H, R, b.ffn_u32.data(), I, true, stream_);
   glu(glu_act(cfg_), b.ffn_g32.data(), I, b.ffn_u32.data(), I, R, I, b.ffn_h.data(), I, stream_);
-  linear(d.down, b.ffn_h.data(), I, R, b.sub.data(), H, false, stream_);
+  project_out(d.down, b.ffn_h.data(), I, R, {});
 }
 
 // The MoE's first half, shared by both step paths: the router on the full-width x (fp32
@@ -255,34 +263,38 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
 
   int64_t L = 0;
   const __nv_bfloat16* z = route_and_project(m, R, L, stream_);
+  // The expert rows: this step's, or under EP every rank's.
+  const int32_t* ids = nullptr;
+  const int64_t XR = expert_rows(z, ids, L, R);
   // The (row, choice) pairs grouped by expert so each chosen expert is read once for its rows.
-  const int n = static_cast<int>(R * k);
+  const int n = static_cast<int>(XR * k);
   const int64_t I = m.inter;
   mark("moe_experts");
-  moe_group_by_expert(b.expert_ids.data(), R, k, m.local, b.group_expert.data(),
-                      b.group_offsets.data(), b.group_rows.data(), b.group_pos.data(), stream_);
+  moe_group_by_expert(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
+                      b.group_rows.data(), b.group_pos.data(), stream_);
   // One slot per local expert, busy as the expected count says.
   const ExpertGroups eg{
       b.group_expert.data(),
       b.group_offsets.data(),
       b.group_rows.data(),
       m.local.count,
-      static_cast<int>(R),
-      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, R, m.local.count)};
+      static_cast<int>(XR),
+      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, XR, m.local.count)};
   expert_linear(m.expert_format, m.w1, m.w1_scales, eg, true, z, L, I, L, b.moe_g32.data(), true,
                 stream_);
   expert_linear(m.expert_format, m.w3, m.w3_scales, eg, true, z, L, I, L, b.moe_u32.data(), true,
                 stream_);
   glu(act, b.moe_g32.data(), I, b.moe_u32.data(), I, n, I, b.moe_h.data(), I, stream_);
   expert_linear(m.expert_format, m.w2, m.w2_scales, eg, false, b.moe_h.data(), I, L, I,
-                b.moe_y.data(), false, stream_);
+                expert_out(), expert_out_fp32(), stream_);
 
   // Weighted sum of the choices (the complete sum: the latent norm needs all of it), then up.
   mark("moe_combine_up");
+  const auto [y, y_pos] = routed_outputs(R, L);
   const bool up = !m.latent_up.empty();
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
-  moe_combine(b.moe_y.data(), b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr,
-              cfg_.rms_norm_eps, routed, stream_, b.group_pos.data());
+  moe_combine(y, b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr, cfg_.rms_norm_eps,
+              routed, stream_, y_pos);
   if (up) {
     linear(m.latent_up, b.moe_acc.data(), L, R, b.moe_routed.data(), H, false, stream_);
     routed = b.moe_routed.data();
@@ -298,7 +310,8 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   linear(m.shared_gate, b.x.data(), H, R, b.ffn_g32.data(), S, true, stream_);
   linear(m.shared_up, b.x.data(), H, R, b.ffn_u32.data(), S, true, stream_);
   glu(act, b.ffn_g32.data(), S, b.ffn_u32.data(), S, R, S, b.ffn_h.data(), S, stream_);
-  linear(m.shared_down, b.ffn_h.data(), S, R, b.shared.data(), H, false, stream_);
+  linear(m.shared_down, b.ffn_h.data(), S, R, shared_out(), H, tp_sums(), stream_);
+  finish_shared(R);
   add_bf16(routed, b.shared.data(), R * H, b.sub.data(), stream_);
 }
 

@@ -41,9 +41,10 @@ void expert_linear(WeightFormat fmt, const void* const* w, const uint8_t* const*
                    int64_t N, int64_t K, void* y, bool y_fp32, cudaStream_t stream);
 
 // The expert down-projection w2 on h = glu(g, u) computed inside the GEMM (linear_mxfp4.h):
-// g at gu[row * ld_gu + i], u at up elements further (fp32, device); y [pairs, io] bf16.
-// Returns false, doing nothing, when the experts are not MXFP4 or the operands do not qualify.
+// g at gu[row * ld_gu + i], u at up elements further (fp32, device); y [pairs, io] bf16, or fp32
+// (y_fp32). Returns false, doing nothing, when the experts are not MXFP4 or the operands do not
+// qualify.
 bool expert_down_glu(const DevMoe& m, const ExpertGroups& g, const GluAct& act, const float* gu,
-                     int64_t ld_gu, int64_t up, __nv_bfloat16* y, cudaStream_t stream);
+                     int64_t ld_gu, int64_t up, void* y, bool y_fp32, cudaStream_t stream);
 
 }  // namespace k3::cuda

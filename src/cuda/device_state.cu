@@ -15,7 +15,9 @@ SlotPool::SlotPool(const ModelConfig& cfg, const SlotPoolShape& shape) : shape_(
   K3_CHECK(shape.recurrent == DType::F32 || shape.recurrent == DType::BF16,
            "the CUDA KDA kernel keeps its recurrent state in float32 or bfloat16, not ",
            dtype_name(shape.recurrent));
-  pages_per_slot_ = static_cast<int>((shape.max_context + shape.page_size - 1) / shape.page_size);
+  K3_CHECK(shape.cache_shards >= 1, "cache_shards must be >= 1, got ", shape.cache_shards);
+  pages_per_slot_ =
+      static_cast<int>((shape.cached_tokens() + shape.page_size - 1) / shape.page_size);
   const size_t S = static_cast<size_t>(shape.slots);
   const size_t pages = S * static_cast<size_t>(pages_per_slot_);
   const size_t page = static_cast<size_t>(shape.page_size);
@@ -184,8 +186,8 @@ void SlotPool::fill_synthetic(int slot, int64_t tokens, cudaStream_t stream) {
   K3_CHECK(slot >= 0 && slot < shape_.slots, "slot ", slot, " outside the pool");
   K3_CHECK(tokens >= 0 && tokens < shape_.max_context, "fill_synthetic: ", tokens,
            " tokens do not fit a context of ", shape_.max_context);
-  K3_CHECK(shape_.latent == cpu::LatentFormat::BF16,
-           "fill_synthetic: benchmarks fill bf16 latent caches only");
+  K3_CHECK(shape_.latent == cpu::LatentFormat::BF16 && shape_.cache_shards == 1,
+           "fill_synthetic: benchmarks fill whole (not context-parallel) bf16 latent caches only");
   // Slot s's pages are contiguous (static block table), so its first `tokens` entries are too.
   const int64_t first_token = static_cast<int64_t>(slot) * pages_per_slot_ * shape_.page_size;
   for (size_t l = 0; l < latent_.size(); ++l) {

@@ -26,6 +26,11 @@ struct SlotPoolShape {
   int page_size = 64;                                  // tokens per cache page
   DType recurrent = DType::F32;                        // KDA recurrent state: F32 or BF16
   cpu::LatentFormat latent = cpu::LatentFormat::BF16;  // kv_cache_dtype (BF16, FP8, *_DS_MLA)
+  // Decode context parallelism: this rank caches every cache_shards-th token of a context
+  // (token t at local index t / cache_shards on rank t % cache_shards), so its latent pages
+  // cover ceil(max_context / cache_shards) tokens per slot.
+  int cache_shards = 1;
+  int64_t cached_tokens() const { return (max_context + cache_shards - 1) / cache_shards; }
 };
 
 class SlotPool {
@@ -34,7 +39,7 @@ class SlotPool {
 
   int slots() const { return shape_.slots; }
   int page_size() const { return shape_.page_size; }
-  int pages_per_slot() const { return pages_per_slot_; }
+  int pages_per_slot() const { return pages_per_slot_; }  // pages of one slot's cached tokens
   int64_t max_context() const { return shape_.max_context; }
   DType recurrent_dtype() const { return shape_.recurrent; }
 

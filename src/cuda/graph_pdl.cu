@@ -15,7 +15,7 @@ bool is_kernel(cudaGraphNode_t n) {
 
 }  // namespace
 
-int make_kernel_edges_programmatic(cudaGraph_t graph) {
+int make_kernel_edges_programmatic(cudaGraph_t graph, const std::set<cudaGraphNode_t>& foreign) {
   size_t n = 0;
   K3_CUDA_CHECK(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &n));
   if (n == 0) return 0;
@@ -25,7 +25,8 @@ int make_kernel_edges_programmatic(cudaGraph_t graph) {
   std::vector<cudaGraphNode_t> cf, ct;
   std::vector<cudaGraphEdgeData> old_data, new_data;
   for (size_t i = 0; i < n; ++i) {
-    if (data[i].type != cudaGraphDependencyTypeDefault || !is_kernel(from[i]) || !is_kernel(to[i]))
+    if (data[i].type != cudaGraphDependencyTypeDefault || !is_kernel(from[i]) ||
+        !is_kernel(to[i]) || foreign.count(from[i]) || foreign.count(to[i]))
       continue;
     cf.push_back(from[i]);
     ct.push_back(to[i]);

@@ -7,10 +7,14 @@
 
 #include <cuda_runtime.h>
 
+#include <set>
+
 namespace k3::cuda {
 
 // Returns the number of edges converted. Edges touching non-kernel nodes (copies, memsets,
-// event records) stay full dependencies.
-int make_kernel_edges_programmatic(cudaGraph_t graph);
+// event records) or a node of `foreign` (kernels that do not wait for their producers, such as
+// NCCL's collectives) stay full dependencies.
+int make_kernel_edges_programmatic(cudaGraph_t graph,
+                                   const std::set<cudaGraphNode_t>& foreign = {});
 
 }  // namespace k3::cuda

@@ -207,7 +207,7 @@ template <bool kBf16Out>
 __global__ void __launch_bounds__(kCombineThreads)
     mla_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
                        const int32_t* __restrict__ seq_len, const int32_t* __restrict__ n_selected,
-                       int heads, int splits, void* __restrict__ out) {
+                       int heads, int splits, void* __restrict__ out, float* __restrict__ lse) {
   K3_PDL_ENTRY();
   // ws_acc [rows][heads][splits][512]; ws_ml [rows][heads][splits][2];
   // out [rows][heads][512] fp32 or bf16. One CTA per (head, row). The split weights
@@ -240,6 +240,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __syncthreads();
   float l = 0.0f;
   for (int w = 0; w < kCombineThreads / 32; ++w) l += red[w];
+  if (lse != nullptr && tid == 0) lse[rh] = mx == -INFINITY ? -INFINITY : mx + logf(l);
   float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   if (mx != -INFINITY) {  // else the row has no tokens: o = 0
     const float* acc = ws_acc + rh * splits * kKvLora + tid * 4;
@@ -305,7 +306,7 @@ size_t mla_decode_workspace_bytes(const MlaDecodePlan& p) {
 void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
                 const __nv_bfloat16* cache, const int32_t* block_table, const int32_t* seq_len,
                 const int32_t* selected, const int32_t* n_selected, float softmax_scale,
-                void* workspace, void* o_latent, bool o_bf16, cudaStream_t stream) {
+                void* workspace, void* o_latent, bool o_bf16, cudaStream_t stream, float* lse) {
   K3_CHECK(p.splits >= 1 && p.heads_per_group >= 1 && p.heads_per_group <= kMaxHeads,
            "cuda::mla_decode: plan not built by plan_mla_decode");
   K3_CHECK(selected == nullptr || (n_selected != nullptr && p.max_sel >= 1),
@@ -316,7 +317,7 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
            "cuda::mla_decode: cache, workspace and o_latent must be 16-byte aligned");
   if (p.kv_lora != kKvLora || p.rope != kRope) {
     detail::mla_decode_generic(p, q_abs, q_pe, cache, block_table, seq_len, selected, n_selected,
-                               softmax_scale, o_latent, o_bf16, stream);
+                               softmax_scale, o_latent, o_bf16, stream, lse);
     return;
   }
   if (p.rows == 0) return;
@@ -334,11 +335,11 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
   const dim3 cgrid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.rows));
   const int32_t* n_sel = selected ? n_selected : nullptr;
   if (o_bf16)
-    mla_combine_kernel<true><<<cgrid, kCombineThreads, 0, stream>>>(ws_acc, ws_ml, seq_len, n_sel,
-                                                                    p.heads, p.splits, o_latent);
+    mla_combine_kernel<true><<<cgrid, kCombineThreads, 0, stream>>>(
+        ws_acc, ws_ml, seq_len, n_sel, p.heads, p.splits, o_latent, lse);
   else
-    mla_combine_kernel<false><<<cgrid, kCombineThreads, 0, stream>>>(ws_acc, ws_ml, seq_len, n_sel,
-                                                                     p.heads, p.splits, o_latent);
+    mla_combine_kernel<false><<<cgrid, kCombineThreads, 0, stream>>>(
+        ws_acc, ws_ml, seq_len, n_sel, p.heads, p.splits, o_latent, lse);
   K3_CUDA_CHECK_LAUNCH();
 }
 

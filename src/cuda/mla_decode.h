@@ -58,10 +58,15 @@ size_t mla_decode_workspace_bytes(const MlaDecodePlan& p);
 // n_selected:  [rows] int32 (device; ignored when selected is null)
 // workspace:   mla_decode_workspace_bytes(plan) bytes, 16-B aligned (device)
 // o_latent:    [rows][heads][kv_lora] fp32 (o_bf16 false) or bf16 (o_bf16 true) = sum_t p_t c_t.
-// A row with no tokens gets o = 0. No allocation, no host sync; ordered on `stream`.
+// lse:         [rows][heads] fp32 or null: log sum_t exp(scale * score_t), the softmax's
+//              normalizer, so partial attentions over disjoint token sets merge exactly
+//              (decode context parallelism: dcp_merge_attention).
+// A row with no tokens gets o = 0 and lse = -inf. No allocation, no host sync; ordered on
+// `stream`.
 void mla_decode(const MlaDecodePlan& plan, const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
                 const __nv_bfloat16* cache, const int32_t* block_table, const int32_t* seq_len,
                 const int32_t* selected, const int32_t* n_selected, float softmax_scale,
-                void* workspace, void* o_latent, bool o_bf16, cudaStream_t stream);
+                void* workspace, void* o_latent, bool o_bf16, cudaStream_t stream,
+                float* lse = nullptr);
 
 }  // namespace k3::cuda

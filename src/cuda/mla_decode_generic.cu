@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreads)
                        const int32_t* __restrict__ block_table, const int32_t* __restrict__ seq_len,
                        const int32_t* __restrict__ selected, const int32_t* __restrict__ n_selected,
                        int heads, int kv_lora, int rope, int page_size, int max_pages, int max_sel,
-                       float scale, void* __restrict__ out) {
+                       float scale, void* __restrict__ out, float* __restrict__ lse) {
   K3_PDL_ENTRY();
   // q_abs [rows][heads][kv_lora] bf16; q_pe [rows][heads][rope] bf16;
   // cache [pages][page_size][kv_lora + rope] bf16; out [rows][heads][kv_lora] fp32 or bf16.
@@ -107,7 +107,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();  // the next tile overwrites off and ps
   }
 
-  const float inv = l > 0.0f ? 1.0f / l : 0.0f;  // no tokens: o = 0
+  const float inv = l > 0.0f ? 1.0f / l : 0.0f;                                  // no tokens: o = 0
+  if (lse != nullptr && tid == 0) lse[qh] = l > 0.0f ? m + logf(l) : -INFINITY;  // m: warp 0
 #pragma unroll
   for (int k = 0; k < kColsPerThread; ++k) {
     const int col = tid + k * kThreads;
@@ -126,7 +127,7 @@ void mla_decode_generic(const MlaDecodePlan& p, const __nv_bfloat16* q_abs,
                         const __nv_bfloat16* q_pe, const __nv_bfloat16* cache,
                         const int32_t* block_table, const int32_t* seq_len, const int32_t* selected,
                         const int32_t* n_selected, float softmax_scale, void* o_latent, bool o_bf16,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, float* lse) {
   K3_CHECK(mla_generic_shape_ok(p.kv_lora, p.rope), "cuda::mla_decode: kv_lora ", p.kv_lora,
            " / rope ", p.rope, " unsupported");
   if (p.rows == 0) return;
@@ -135,11 +136,11 @@ void mla_decode_generic(const MlaDecodePlan& p, const __nv_bfloat16* q_abs,
   if (o_bf16)
     mla_generic_kernel<true><<<grid, kThreads, smem, stream>>>(
         q_abs, q_pe, cache, block_table, seq_len, selected, n_selected, p.heads, p.kv_lora, p.rope,
-        p.page_size, p.max_pages, p.max_sel, softmax_scale, o_latent);
+        p.page_size, p.max_pages, p.max_sel, softmax_scale, o_latent, lse);
   else
     mla_generic_kernel<false><<<grid, kThreads, smem, stream>>>(
         q_abs, q_pe, cache, block_table, seq_len, selected, n_selected, p.heads, p.kv_lora, p.rope,
-        p.page_size, p.max_pages, p.max_sel, softmax_scale, o_latent);
+        p.page_size, p.max_pages, p.max_sel, softmax_scale, o_latent, lse);
   K3_CUDA_CHECK_LAUNCH();
 }
 

@@ -25,8 +25,8 @@ inline bool mla_generic_shape_ok(int kv_lora, int rope) {
 // (head, row) covers all of the row's tokens, so there is nothing to combine).
 void mla_decode_generic(const MlaDecodePlan& plan, const __nv_bfloat16* q_abs,
                         const __nv_bfloat16* q_pe, const __nv_bfloat16* cache,
-                        const int32_t* block_table, const int32_t* seq_len,
-                        const int32_t* selected, const int32_t* n_selected, float softmax_scale,
-                        void* o_latent, bool o_bf16, cudaStream_t stream);
+                        const int32_t* block_table, const int32_t* seq_len, const int32_t* selected,
+                        const int32_t* n_selected, float softmax_scale, void* o_latent, bool o_bf16,
+                        cudaStream_t stream, float* lse);
 
 }  // namespace k3::cuda::detail

@@ -9,7 +9,7 @@ namespace {
 
 constexpr int kThreads = 1024;
 constexpr int kMaxExperts = 1024;
-constexpr int kMaxPairs = 4096;
+constexpr int kMaxPairs = kMaxGroupedPairs;
 
 __global__ void __launch_bounds__(kThreads)
     group_kernel(const int32_t* __restrict__ ids, int n, int top_k, int first, int E,

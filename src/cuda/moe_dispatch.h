@@ -16,6 +16,9 @@ struct LocalExperts {
   int begin = 0, count = 0;
 };
 
+// The most (row, choice) pairs one grouping takes (one CTA's shared memory).
+constexpr int kMaxGroupedPairs = 4096;
+
 // ids:          [rows][top_k] int32 global expert ids (the router's output, device)
 // E below is local.count; e a local id.
 // slot_expert:  [E] int32: e when some pair chose e, else -1 (the slot is skipped)
@@ -25,7 +28,7 @@ struct LocalExperts {
 // position:     [rows * top_k] int32: grouped position of pair (r, j) at r * top_k + j, -1 when
 //               its expert is not local
 // Within an expert, pairs keep ascending (r, j) order (deterministic). One CTA; E <= 1024,
-// rows * top_k <= 4096. No allocation, no host sync.
+// rows * top_k <= kMaxGroupedPairs. No allocation, no host sync.
 void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, LocalExperts local,
                          int32_t* slot_expert, int32_t* slot_offsets, int32_t* row_index,
                          int32_t* position, cudaStream_t stream);
