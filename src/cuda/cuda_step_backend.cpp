@@ -7,11 +7,16 @@
 #include "core/error.h"
 #include "cpu/latent_format.h"
 #include "cuda/backbone.h"
+#include "cuda/rank_group.h"
 #include "model/loaded_model.h"
+#include "parallel/layout.h"
+#include "parallel/tcp_bootstrap.h"
 #include "runtime/deploy_config.h"
 
 namespace k3::cuda {
 namespace {
+
+constexpr int kMaxStepRows = 64;
 
 class CudaBackend;
 
@@ -35,52 +40,84 @@ class CudaSlot final : public serve::SlotState {
   int slot_;
 };
 
+// The backbone options of a deployment: slots (max_num_seqs), context, cache dtypes, rows per
+// step and, for latency_specialized, the capture sizes.
+CudaBackboneOptions backbone_options(const ModelConfig& cfg, const DeployConfig& d) {
+  const KdaDtypes kd = kda_dtypes(cfg, d);
+  K3_CHECK(kd.conv == DType::BF16,
+           "the CUDA KDA kernel keeps its conv state in bfloat16; "
+           "mamba_cache_dtype asks for ",
+           dtype_name(kd.conv));
+  CudaBackboneOptions o;
+  o.pool.slots = d.max_num_seqs;
+  o.pool.max_context = d.max_model_len > 0 ? d.max_model_len : cfg.max_position_embeddings;
+  o.pool.recurrent = kd.recurrent;
+  o.pool.latent = cpu::latent_format_of(d.kv_cache_dtype);
+  // Rows per step count tokens: a prefill chunk or a verify's q positions are a run of rows
+  // of one slot, so even one request fills a step.
+  o.max_rows = kMaxStepRows;
+  // latency_specialized: the specialized step, captured per size at load. A capture size
+  // counts rows = requests x q (vLLM's cudagraph_capture_sizes).
+  if (const auto dc = specialized_decode_config(cfg, d)) {
+    for (const int s : dc->capture_sizes) {
+      const int rows = std::min(s, o.max_rows);
+      if (o.capture_sizes.empty() || rows > o.capture_sizes.back()) o.capture_sizes.push_back(rows);
+    }
+  }
+  return o;
+}
+
+// The ranks of a multi-rank deployment: each replica holds ceil(max_num_seqs / dp) slots.
+RankedOptions ranked_options(const ModelConfig& cfg, const DeployConfig& d) {
+  RankedOptions ro;
+  ro.layout = parallel::layout_of(d);
+  parallel::validate_layout(ro.layout, cfg);
+  ro.backbone = backbone_options(cfg, d);
+  ro.backbone.pool.slots = (d.max_num_seqs + ro.layout.dp - 1) / ro.layout.dp;
+  return ro;
+}
+
+// The executor of a deployment: the whole model on this GPU, or the ranks of its layout (as
+// threads of this process, or, under a multi-process launch, this process leading the others,
+// which run run_cuda_follower). boot receives the bootstrap a led group needs.
+std::unique_ptr<StepExecutor> make_executor(const ModelConfig& cfg, const ModelWeights& w,
+                                            const DeployConfig& d,
+                                            std::unique_ptr<parallel::TcpBootstrap>& boot) {
+  if (!parallel::layout_of(d).multi_rank())
+    return std::make_unique<CudaBackbone>(cfg, w, backbone_options(cfg, d));
+  const RankedOptions ro = ranked_options(cfg, d);
+  const parallel::BootstrapConfig bc = parallel::BootstrapConfig::from_env();
+  if (bc.world <= 1) return std::make_unique<RankedBackbone>(cfg, w, ro);
+  boot = std::make_unique<parallel::TcpBootstrap>(bc);
+  return std::make_unique<RankedBackbone>(cfg, w, ro, *boot, parse_rank_comm(""));
+}
+
+// Request slots in the order new requests take them: under DP, alternating replicas.
+int slot_for(int i, int dp, int per_replica) {
+  return (i % dp) * per_replica + i / dp;
+}
+
 class CudaBackend final : public serve::StepBackend {
  public:
   CudaBackend(std::unique_ptr<LoadedModel> model, const DeployConfig& d)
       : model_(std::move(model)) {
-    const ModelConfig& cfg = model_->config;
-    const KdaDtypes kd = kda_dtypes(cfg, d);
-    K3_CHECK(kd.conv == DType::BF16,
-             "the CUDA KDA kernel keeps its conv state in bfloat16; "
-             "mamba_cache_dtype asks for ",
-             dtype_name(kd.conv));
-    CudaBackboneOptions o;
-    o.pool.slots = d.max_num_seqs;
-    o.pool.max_context = d.max_model_len > 0 ? d.max_model_len : cfg.max_position_embeddings;
-    o.pool.recurrent = kd.recurrent;
-    o.pool.latent = cpu::latent_format_of(d.kv_cache_dtype);
-    // Rows per step count tokens: a prefill chunk or a verify's q positions are a run of rows
-    // of one slot, so even one request fills a step.
-    o.max_rows = kMaxStepRows;
-    // latency_specialized: the specialized step, captured per size at load. A capture size
-    // counts rows = requests x q (vLLM's cudagraph_capture_sizes).
-    if (const auto dc = specialized_decode_config(cfg, d)) {
-      K3_CHECK(dc->dcp == 1,
-               "the CUDA backend runs one rank: decode_context_parallel_size must be 1, got ",
-               dc->dcp);
-      for (const int s : dc->capture_sizes) {
-        const int rows = std::min(s, o.max_rows);
-        if (o.capture_sizes.empty() || rows > o.capture_sizes.back())
-          o.capture_sizes.push_back(rows);
-      }
-    }
-    backbone_ = std::make_unique<CudaBackbone>(cfg, model_->weights, o);
+    backbone_ = make_executor(model_->config, model_->weights, d, boot_);
     // A verify of q tokens keeps q - 1 KDA copies per slot; reserved before the graphs are
     // captured (growing them later drops the graphs).
     const int q = 1 + std::max(0, d.speculative_config.num_speculative_tokens);
     if (q > 1) backbone_->reserve_snapshots(q - 1);
-    for (int s = d.max_num_seqs - 1; s >= 0; --s) free_->free.push_back(s);
-    verify_start_.assign(static_cast<size_t>(d.max_num_seqs), 0);
-    verify_q_.assign(static_cast<size_t>(d.max_num_seqs), 0);
+    const int dp = d.data_parallel_size, per = backbone_->slots() / dp;
+    for (int i = d.max_num_seqs - 1; i >= 0; --i) free_->free.push_back(slot_for(i, dp, per));
+    verify_start_.assign(static_cast<size_t>(backbone_->slots()), 0);
+    verify_q_.assign(static_cast<size_t>(backbone_->slots()), 0);
   }
 
   const ModelConfig& config() const override { return model_->config; }
   int64_t vocab_size() const override { return model_->config.vocab_size; }
-  int64_t max_context() const override { return backbone_->pool().max_context(); }
+  int64_t max_context() const override { return backbone_->max_context(); }
 
   std::unique_ptr<serve::SlotState> new_state() const override {
-    K3_CHECK(!free_->free.empty(), "the CUDA backend's ", backbone_->pool().slots(),
+    K3_CHECK(!free_->free.empty(), "the CUDA backend's ", verify_q_.size(),
              " slots are all in use (max_num_seqs)");
     const int s = free_->free.back();
     free_->free.pop_back();
@@ -145,7 +182,6 @@ class CudaBackend final : public serve::StepBackend {
   int64_t position(int slot) const { return backbone_->position(slot); }
 
  private:
-  static constexpr int kMaxStepRows = 64;
   struct Row {
     int slot;
     std::span<const int64_t> tokens;
@@ -253,7 +289,8 @@ class CudaBackend final : public serve::StepBackend {
   }
 
   std::unique_ptr<LoadedModel> model_;
-  std::unique_ptr<CudaBackbone> backbone_;
+  std::unique_ptr<parallel::TcpBootstrap> boot_;  // a multi-process group this process leads
+  std::unique_ptr<StepExecutor> backbone_;
   std::vector<int64_t> verify_start_;      // [slots] position before the last verify
   mutable std::vector<int64_t> verify_q_;  // [slots] tokens of the last verify, 0 after commit
   std::shared_ptr<FreeSlots> free_ = std::make_shared<FreeSlots>();
@@ -272,6 +309,13 @@ std::unique_ptr<serve::StepBackend> make_cuda_step_backend(std::unique_ptr<Loade
                                                            const DeployConfig& deploy) {
   K3_CHECK(model != nullptr, "make_cuda_step_backend: no model");
   return std::make_unique<CudaBackend>(std::move(model), deploy);
+}
+
+void run_cuda_follower(std::unique_ptr<LoadedModel> model, const DeployConfig& deploy) {
+  K3_CHECK(model != nullptr, "run_cuda_follower: no model");
+  const RankedOptions ro = ranked_options(model->config, deploy);
+  parallel::TcpBootstrap boot(parallel::BootstrapConfig::from_env());
+  follow_rank(model->config, model->weights, ro, boot, parse_rank_comm(""));
 }
 
 }  // namespace k3::cuda

@@ -134,7 +134,18 @@ std::unique_ptr<StepBackend> make_cpu_backend(std::unique_ptr<LoadedModel> model
 
 namespace {
 BackendFactory g_cuda_factory = nullptr;
+FollowerRunner g_cuda_follower = nullptr;
 }  // namespace
+
+void set_cuda_follower(FollowerRunner runner) {
+  g_cuda_follower = runner;
+}
+void run_cuda_follower(std::unique_ptr<LoadedModel> model, const DeployConfig& deploy) {
+  K3_CHECK(g_cuda_follower != nullptr,
+           "this build of k3 has no CUDA backend (nvcc was not found at configure time); a "
+           "multi-process rank needs it");
+  g_cuda_follower(std::move(model), deploy);
+}
 
 void set_cuda_backend_factory(BackendFactory factory) {
   g_cuda_factory = factory;

@@ -88,4 +88,11 @@ bool have_cuda_backend();
 std::unique_ptr<StepBackend> make_cuda_backend(std::unique_ptr<LoadedModel> model,
                                                const DeployConfig& deploy);
 
+// Multi-process CUDA runs (one process per GPU): rank 0's CUDA backend leads; every other rank
+// runs the follower, registered beside the factory, until rank 0 stops.
+using FollowerRunner = void (*)(std::unique_ptr<LoadedModel> model, const DeployConfig& deploy);
+void set_cuda_follower(FollowerRunner runner);
+// Raises k3::Error when this binary has no CUDA backend.
+void run_cuda_follower(std::unique_ptr<LoadedModel> model, const DeployConfig& deploy);
+
 }  // namespace k3::serve

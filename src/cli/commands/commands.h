@@ -27,6 +27,9 @@ std::vector<std::string> probe_gpus();
 // "cpu" or "cuda" for --device auto | cpu | cuda (auto: the GPU when this build has the CUDA
 // backend and one is visible); an impossible request is a k3::Error.
 std::string choose_device(const std::string& want);
+// True in a follower process of a multi-process run (K3_WORLD_SIZE > 1, K3_RANK != 0): it runs
+// serve::run_cuda_follower instead of the command's own work.
+bool follower_process();
 
 int run_cli(int argc, char** argv);
 

@@ -4,6 +4,7 @@
 
 #include "cli/commands/commands.h"
 #include "core/error.h"
+#include "parallel/tcp_bootstrap.h"
 #include "serve/step_backend.h"
 
 namespace k3::cli {
@@ -24,6 +25,11 @@ std::string choose_device(const std::string& want) {
     return "cuda";
   }
   return serve::have_cuda_backend() && !gpus.empty() ? "cuda" : "cpu";
+}
+
+bool follower_process() {
+  const parallel::BootstrapConfig c = parallel::BootstrapConfig::from_env();
+  return c.world > 1 && c.rank != 0;
 }
 
 }  // namespace k3::cli

@@ -35,7 +35,7 @@ struct GenerateOpts {
   int top_k = 0;
   uint64_t seed = 0;
   bool ignore_eos = false, show_ids = false, fp32 = false;
-  parallel::ParallelLayout layout;  // --tp / --dp / --ep / --dcp: the multi-rank CPU backbone
+  parallel::ParallelLayout layout;  // --tp / --dp / --ep / --dcp: the multi-rank backbones
 };
 
 void run_generate(const GenerateOpts& o) {
@@ -45,6 +45,10 @@ void run_generate(const GenerateOpts& o) {
   dc.mamba_cache_dtype = parse_state_dtype("mamba_cache_dtype", o.mamba_cache_dtype);
   dc.mamba_ssm_cache_dtype = parse_state_dtype("mamba_ssm_cache_dtype", o.mamba_ssm_cache_dtype);
   dc.max_model_len = o.max_model_len;
+  dc.tensor_parallel_size = o.layout.tp;
+  dc.data_parallel_size = o.layout.dp;
+  dc.enable_expert_parallel = o.layout.ep;
+  dc.decode_context_parallel_size = o.layout.dcp;
   if (!o.speculative_config.empty()) {
     nlohmann::json j;
     try {
@@ -57,13 +61,14 @@ void run_generate(const GenerateOpts& o) {
   }
 
   const std::string device = choose_device(o.device);
-  K3_CHECK(device == "cpu" || dc.speculative_config.num_speculative_tokens == 0,
-           "--speculative-config: speculative decoding runs on the CPU reference only (the CUDA "
-           "verify step is not in this build); use --device cpu");
   const std::string dir = o.model.empty() ? builtin_tiny_model_dir() : o.model;
   const auto model = LoadedModel::load(dir);
   const ModelConfig& cfg = model->config;
   validate_deploy_config(cfg, dc);
+  if (device == "cuda" && follower_process()) {  // rank 0 of this launch generates
+    serve::run_cuda_follower(LoadedModel::load(dir), dc);
+    return;
+  }
   // Refusals of the specialized path come first, with their reason, even on the CPU.
   if (specialized_decode_config(cfg, dc) && device != "cuda")
     fail(
@@ -104,10 +109,10 @@ void run_generate(const GenerateOpts& o) {
     std::fflush(stdout);
   };
   const SpeculativeConfig& sc = dc.speculative_config;
-  const bool multi_rank = o.layout.world() > 1 || o.layout.ep || o.layout.dcp > 1;
-  K3_CHECK(!multi_rank || (device == "cpu" && sc.num_speculative_tokens == 0),
-           "--tp / --dp / --ep / --dcp run the multi-rank CPU reference (src/parallel), without "
-           "speculative decoding; use --device cpu");
+  const bool multi_rank = o.layout.multi_rank();
+  K3_CHECK(!multi_rank || device == "cuda" || sc.num_speculative_tokens == 0,
+           "--tp / --dp / --ep / --dcp on the CPU reference (src/parallel) run without "
+           "speculative decoding; the CUDA backend runs both");
   cpu::GenerateResult res;
   spec::SpecStats stats;
   if (sc.num_speculative_tokens > 0) {
@@ -125,7 +130,7 @@ void run_generate(const GenerateOpts& o) {
     }
     res = std::move(r.result);
     stats = r.stats;
-  } else if (multi_rank) {
+  } else if (multi_rank && device == "cpu") {
     const parallel::ParallelCpuBackbone par(
         cfg, model->weights, {kd.conv, kd.recurrent, cpu::latent_format_of(dc.kv_cache_dtype)},
         o.layout, num, dc.max_model_len);
@@ -133,8 +138,11 @@ void run_generate(const GenerateOpts& o) {
                  o.layout.tp, o.layout.dp, o.layout.ep ? "on" : "off", o.layout.dcp);
     res = parallel::generate(par, req, print);
   } else if (device == "cuda") {
-    // The CUDA StepBackend (stock path, or latency_specialized's routing) on its own copy of
-    // the checkpoint mapping.
+    // The CUDA StepBackend (stock path, or latency_specialized's routing; the ranks of a
+    // multi-rank layout) on its own copy of the checkpoint mapping.
+    if (multi_rank)
+      std::fprintf(stderr, "k3: %d CUDA ranks (tp %d, dp %d, ep %s, dcp %d)\n", o.layout.world(),
+                   o.layout.tp, o.layout.dp, o.layout.ep ? "on" : "off", o.layout.dcp);
     const auto backend = serve::make_cuda_backend(LoadedModel::load(dir), dc);
     res = serve::generate_on(*backend, req, print);
   } else {
@@ -192,7 +200,8 @@ void register_generate(CLI::App& app) {
   sub->add_flag("--ignore-eos", o->ignore_eos, "do not stop at the end-of-sequence token");
   sub->add_flag("--show-ids", o->show_ids, "print token ids instead of text");
   sub->add_flag("--fp32", o->fp32, "pure fp32 activations (no bf16 rounding at boundaries)");
-  sub->add_option("--tp", o->layout.tp, "tensor_parallel_size (CPU ranks as threads)")
+  sub->add_option("--tp", o->layout.tp,
+                  "tensor_parallel_size (ranks as threads, or processes under launch_ranks.sh)")
       ->capture_default_str();
   sub->add_option("--dp", o->layout.dp, "data_parallel_size")->capture_default_str();
   sub->add_flag("--ep", o->layout.ep, "enable_expert_parallel (experts over all ranks)");

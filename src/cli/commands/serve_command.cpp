@@ -69,6 +69,9 @@ DeployConfig deploy_config(const ServeOpts& o, const CLI::App& sub) {
   set("--mamba-cache-dtype", "mamba_cache_dtype", o.mamba_cache_dtype);
   set("--mamba-ssm-cache-dtype", "mamba_ssm_cache_dtype", o.mamba_ssm_cache_dtype);
   set("--max-model-len", "max_model_len", o.max_model_len);
+  set("--tensor-parallel-size", "tensor_parallel_size", o.layout.tp);
+  set("--data-parallel-size", "data_parallel_size", o.layout.dp);
+  set("--enable-expert-parallel", "enable_expert_parallel", o.layout.ep);
   set("--decode-context-parallel-size", "decode_context_parallel_size", o.layout.dcp);
   if (!o.speculative_config.empty())
     set("--speculative-config", "speculative_config",
@@ -92,6 +95,10 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   auto model = LoadedModel::load(dir);
   const ModelConfig& cfg = model->config;
   validate_deploy_config(cfg, dc);
+  if (device == "cuda" && follower_process()) {  // rank 0 of this launch serves
+    serve::run_cuda_follower(std::move(model), dc);
+    return;
+  }
   if (specialized_decode_config(cfg, dc) && device != "cuda")
     fail(
         "decode_backend latency_specialized runs on the CUDA executor; this server runs on the "
@@ -100,19 +107,14 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
 
   std::shared_ptr<const serve::TextCodec> codec = serve::TextCodec::load(dir);
   K3_CHECK(device == "cpu" || !o.fp32, "--fp32 runs the CPU reference only; drop --device cuda");
-  parallel::ParallelLayout layout = o.layout;
-  layout.dcp = dc.decode_context_parallel_size;
-  const bool multi_rank = layout.world() > 1 || layout.ep || layout.dcp > 1;
-  if (multi_rank) {
-    K3_CHECK(device == "cpu",
-             "--tensor-parallel-size / --data-parallel-size / "
-             "--enable-expert-parallel / --decode-context-parallel-size run the multi-rank CPU "
-             "reference (ranks as threads); the GPU step is single-rank so far: add --device cpu");
-    K3_CHECK(!o.fp32, "--fp32 is not supported by the multi-rank backend");
-  }
-  auto backend = multi_rank ? parallel::make_parallel_cpu_backend(std::move(model), dc, layout)
-                 : device == "cuda"
-                     ? serve::make_cuda_backend(std::move(model), dc)
+  const parallel::ParallelLayout layout = parallel::layout_of(dc);
+  const bool multi_rank = layout.multi_rank();
+  K3_CHECK(!multi_rank || !o.fp32, "--fp32 is not supported by the multi-rank backends");
+  // The CUDA backend runs a multi-rank layout itself (ranks as threads, or processes under
+  // tools/launch_ranks.sh); on the CPU it is the multi-rank reference.
+  auto backend = device == "cuda" ? serve::make_cuda_backend(std::move(model), dc)
+                 : multi_rank
+                     ? parallel::make_parallel_cpu_backend(std::move(model), dc, layout)
                      : serve::make_cpu_backend(std::move(model), dc, o.fp32, o.cpu_threads);
   const int64_t max_len = backend->max_context();
 
@@ -210,10 +212,10 @@ void register_serve(CLI::App& app) {
   sub->add_option("--additional-config", o->additional_config,
                   "JSON deployment keys, e.g. {\"decode_backend\": \"auto\"}");
   sub->add_option("--device", o->device, "auto | cpu | cuda")->capture_default_str();
-  sub->add_option("--tensor-parallel-size", o->layout.tp, "TP ranks (multi-rank CPU backend)")
+  sub->add_option("--tensor-parallel-size", o->layout.tp,
+                  "TP ranks (threads, or processes under tools/launch_ranks.sh)")
       ->capture_default_str();
-  sub->add_option("--data-parallel-size", o->layout.dp, "DP replicas (multi-rank CPU backend)")
-      ->capture_default_str();
+  sub->add_option("--data-parallel-size", o->layout.dp, "DP replicas")->capture_default_str();
   sub->add_flag("--enable-expert-parallel", o->layout.ep, "experts placed over all ranks (EP)");
   sub->add_option("--decode-context-parallel-size", o->layout.dcp,
                   "latent cache sharded by token over the TP ranks (1 or the TP size)")
