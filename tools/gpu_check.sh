@@ -4,8 +4,9 @@
 # specialized paths against the byte floor) and `k3 diff` on the tiny presets, logs everything
 # to ${OUT:-/tmp}/gpu_check.log and prints a short summary last.
 #
-# Binaries are taken from $K3_BIN_DIR, build/, build-cuda/ or .gpu_carry/ (first that has both);
-# when none has them, tools/setup.sh builds build/ first.
+# Binaries are taken from $K3_BIN_DIR, build/, build-cuda/ or .gpu_carry/ (first that has both),
+# or unpacked from .gpu_carry/bundle.tar.xz (tools/gpu_bundle.sh); when none has them,
+# tools/setup.sh builds build/ first.
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64").
@@ -16,6 +17,13 @@ out_dir="${OUT:-/tmp}"
 mkdir -p "$out_dir"
 log="$out_dir/gpu_check.log"
 : >"$log"
+
+# A bundle from tools/gpu_bundle.sh (binaries + the libraries a bare GPU machine lacks).
+if [ -z "${K3_BIN_DIR:-}" ] && [ ! -x build/k3_gpu_tests ] && [ -f .gpu_carry/bundle.tar.xz ]; then
+  K3_BIN_DIR=/tmp/k3_bundle
+  mkdir -p "$K3_BIN_DIR" && tar -C "$K3_BIN_DIR" -xJf .gpu_carry/bundle.tar.xz
+  export LD_LIBRARY_PATH="$K3_BIN_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 
 bin_dir=""
 for d in "${K3_BIN_DIR:-}" build build-cuda .gpu_carry; do

@@ -14,10 +14,13 @@
 #include <string>
 #include <vector>
 
+#include "backbone_test_util.h"
 #include "core/error.h"
 #include "core/numeric.h"
 #include "core/rng.h"
+#include "cuda/backbone.h"
 #include "cuda/device_buffer.h"
+#include "cuda/linear_plan.h"
 #include "cuda/nccl_communicator.h"
 #include "parallel/tcp_bootstrap.h"
 #include "test_util.h"
@@ -173,6 +176,65 @@ TEST_F(Nccl, CapturedInAGraph) {
   }
   K3_CUDA_CHECK(cudaGraphExecDestroy(exec));
   K3_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+TEST_F(Nccl, ReduceScatterAndSplit) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  constexpr int64_t kN = 1000;
+  const std::vector<uint16_t> a = test::random_bf16(rng, kN);
+  DeviceBuffer<bf16> in(kN), out(kN);  // [world = 1][kN] -> [kN] bf16
+  cuda::copy_to_device(in, a.data(), a.size());
+  out.fill_bytes(0xff, stream_);
+  comm_->reduce_scatter_sum(in.data(), out.data(), kN, DevType::BF16, stream_);
+  sync();
+  EXPECT_TRUE(same_bits(cuda::to_host<uint16_t>(out), a));
+  // The tp group of a one-replica layout: a split of the world with one color.
+  const auto sub = comm_->split(/*color=*/0, /*key=*/0);
+  EXPECT_EQ(sub->size(), 1);
+  EXPECT_EQ(sub->rank(), 0);
+  out.fill_bytes(0xff, stream_);
+  sub->reduce_scatter_sum(in.data(), out.data(), kN, DevType::BF16, stream_);
+  sync();
+  EXPECT_TRUE(same_bits(cuda::to_host<uint16_t>(out), a));
+  EXPECT_THROW(comm_->split(-1, 0), Error);
+}
+
+// One rank of an expert-parallel, tensor-parallel layout of one GPU: every collective of the
+// step (TP sums, the EP gather and reduce-scatter) runs through NCCL inside the captured graphs
+// (the specialized ones with programmatic edges that skip NCCL's nodes), and with one rank each
+// is an identity, so the step must equal the plain single-rank step bit for bit.
+TEST_F(Nccl, BackboneRankWithCollectivesInGraphsEqualsSingleRank) {
+  const bool tuning = cuda::linear_tuning();
+  cuda::set_linear_tuning(false);  // the same plans for both backbones
+  for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
+    SCOPED_TRACE(preset);
+    const LoadedModel& m = tiny_model(preset);
+    cuda::CudaBackboneOptions o = options(2, /*graphs=*/true);
+    o.capture_sizes = {1, 2};
+    cuda::CudaBackbone plain(m.config, m.weights, o);
+    o.ranks.layout.ep = true;
+    o.ranks.world = comm_;
+    o.ranks.tp = comm_;
+    cuda::CudaBackbone rank(m.config, m.weights, o);
+    EXPECT_EQ(rank.graphs_captured(), 2) << "specialized graphs with NCCL nodes, at load";
+    const size_t V = static_cast<size_t>(m.config.vocab_size);
+    std::vector<float> a(2 * V), b(2 * V);
+    const auto p0 = random_prompt(m.config, 3, 10), p1 = random_prompt(m.config, 4, 10);
+    const std::vector<int32_t> slots = {0, 1};
+    for (int i = 0; i < 10; ++i) {
+      const std::vector<int32_t> toks = {static_cast<int32_t>(p0[i]), static_cast<int32_t>(p1[i])};
+      const cuda::StepPath path = i % 2 ? cuda::StepPath::Specialized : cuda::StepPath::Stock;
+      plain.step(slots, toks, path);
+      rank.step(slots, toks, path);
+      plain.logits_to_host(2, a.data());
+      rank.logits_to_host(2, b.data());
+      ASSERT_TRUE(a == b) << "step " << i << ": rel L2 " << rel_l2(b, a);
+    }
+    EXPECT_GE(rank.graphs_captured(), 3) << "the stock step was captured too";
+  }
+  cuda::set_linear_tuning(tuning);
 }
 
 TEST_F(Nccl, BadArgumentsRaise) {
