@@ -246,7 +246,8 @@ VerifyResult time_verify(const Args& a, cuda::CudaBackbone& bb, const ModelConfi
   qs.insert(qs.end(), a.verify_q.begin(), a.verify_q.end());
   const size_t V = static_cast<size_t>(cfg.vocab_size);
   for (const int q : qs) {
-    VerifyRow row{q};
+    VerifyRow row;
+    row.q = q;
     // Rows of one request: its cache is read once, its experts are those q rows pick.
     row.floor_ms =
         (bench::floor_bytes(fl, cfg, q, ctx) -

@@ -34,6 +34,22 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
                                (2 * static_cast<size_t>(opt.max_rows) + 1) * sizeof(int32_t)));
   setup_ranks();
   weights_ = std::make_unique<DeviceWeights>(cfg, w);
+  if (const FusedInputWeights& f = opt.fused_input; f.enabled()) {
+    const int64_t H = cfg.hidden_size;
+    K3_CHECK(f.eh_proj->format == WeightFormat::BF16 && f.eh_proj->rows == H &&
+                 f.eh_proj->cols == 2 * H && f.enorm && f.hnorm &&
+                 static_cast<int64_t>(f.enorm->size()) == H &&
+                 static_cast<int64_t>(f.hnorm->size()) == H,
+             "fused input: eh_proj must be bf16 [", H, ", ", 2 * H, "] and enorm / hnorm [", H,
+             "]");
+    eh_proj_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(H * 2 * H));
+    copy_to_device(eh_proj_, static_cast<const uint16_t*>(f.eh_proj->data),
+                   static_cast<size_t>(H * 2 * H));
+    enorm_ = to_device<float>(*f.enorm);
+    hnorm_ = to_device<float>(*f.hnorm);
+    K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_hidden_),
+                                 static_cast<size_t>(opt.max_rows * H) * sizeof(uint16_t)));
+  }
   const RankSetup& rk = opt_.ranks;
   for (size_t l = 0; l < weights_->layers.size(); ++l) {
     const DevMoe& m = weights_->layers[l].moe_w;
@@ -87,8 +103,12 @@ void CudaBackbone::capture_specialized() {
       tokens[static_cast<size_t>(r)] =
           static_cast<int32_t>((static_cast<int64_t>(r) * 7919 + 11) % cfg_.vocab_size);
     }
-    step(slots, tokens, StepPath::Specialized);  // eager
-    step(slots, tokens, StepPath::Specialized);  // captured
+    // A draft backbone warms up on zero hidden rows.
+    const std::vector<float> zeros(
+        opt_.fused_input.enabled() ? static_cast<size_t>(n * cfg_.hidden_size) : 0, 0.0f);
+    const float* hidden = opt_.fused_input.enabled() ? zeros.data() : nullptr;
+    run_step(slots, tokens, hidden, StepPath::Specialized, false);  // eager
+    run_step(slots, tokens, hidden, StepPath::Specialized, false);  // captured
   }
   for (int r = 0; r < std::min(S, opt_.capture_sizes.back()); ++r) reset_slot(r);
   K3_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -156,6 +176,7 @@ CudaBackbone::~CudaBackbone() {
   if (join_) (void)cudaEventDestroy(join_);
   if (side_) (void)cudaStreamDestroy(side_);
   if (host_in_) (void)cudaFreeHost(host_in_);
+  if (host_hidden_) (void)cudaFreeHost(host_hidden_);
   if (inputs_copied_) (void)cudaEventDestroy(inputs_copied_);
   if (stream_) (void)cudaStreamDestroy(stream_);
 }
@@ -213,6 +234,21 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows, bool invariant) {
 
 void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                         StepPath path, bool keep_kda_states) {
+  K3_CHECK(!opt_.fused_input.enabled(),
+           "this backbone is a draft model's (fused input): it steps with hidden rows "
+           "(step_fused)");
+  run_step(slots, tokens, nullptr, path, keep_kda_states);
+}
+
+void CudaBackbone::step_fused(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                              const float* hidden, StepPath path) {
+  K3_CHECK(opt_.fused_input.enabled() && hidden != nullptr,
+           "step_fused: a backbone built with fused_input, and hidden rows, are needed");
+  run_step(slots, tokens, hidden, path, false);
+}
+
+void CudaBackbone::run_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                            const float* hidden, StepPath path, bool keep_kda_states) {
   const int64_t rows = static_cast<int64_t>(slots.size());
   K3_CHECK(rows >= 1 && rows <= opt_.max_rows, "a step takes 1..", opt_.max_rows, " rows, got ",
            rows);
@@ -252,6 +288,11 @@ void CudaBackbone::step(std::span<const int32_t> slots, std::span<const int32_t>
   copy_to_device_async(buf_->tokens.data(), host_in_ + opt_.max_rows, static_cast<size_t>(rows),
                        stream_);
   copy_to_device_async(buf_->keep_kda.data(), host_in_ + 2 * opt_.max_rows, 1, stream_);
+  if (hidden) {
+    const size_t n = static_cast<size_t>(rows * cfg_.hidden_size);
+    for (size_t i = 0; i < n; ++i) host_hidden_[i] = float_to_bf16(hidden[i]);
+    copy_to_device_async(buf_->in_hidden.data(), host_hidden_, n, stream_);
+  }
   K3_CUDA_CHECK(cudaEventRecord(inputs_copied_, stream_));
 
   if (!opt_.use_graphs || tap_ || marks_)
@@ -470,13 +511,31 @@ void CudaBackbone::prepare_step_rows(int64_t R) {
              b.dcp_table.data(), stream_);
 }
 
+void CudaBackbone::embed_input(int64_t R) {
+  Buffers& b = *buf_;
+  const int64_t H = cfg_.hidden_size;
+  const bool fused = opt_.fused_input.enabled();
+  embed_rows(weights_->embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R,
+             fused ? b.h.data() : b.P.data(), stream_);
+  if (!fused) return;
+  // concat(RMSNorm_e(embed), RMSNorm_h(hidden)) (each a bf16 GEMM input), then eh_proj.
+  const float eps = cfg_.rms_norm_eps;
+  rms_norm(b.h.data(), H, enorm_.data(), R, H, eps, b.fuse_cat.data(), 2 * H, stream_);
+  rms_norm(b.in_hidden.data(), H, hnorm_.data(), R, H, eps, b.fuse_cat.data() + H, 2 * H, stream_);
+  DevMatrix eh;
+  eh.rows = H;
+  eh.cols = 2 * H;
+  eh.data = eh_proj_.data();
+  linear(eh, b.fuse_cat.data(), 2 * H, R, b.P.data(), H, false, stream_);
+}
+
 void CudaBackbone::enqueue_stock(int64_t R) {
   Buffers& b = *buf_;
   const DeviceWeights& W = *weights_;
   const int64_t H = cfg_.hidden_size;
   const float eps = cfg_.rms_norm_eps;
   prepare_step_rows(R);
-  embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
+  embed_input(R);
 
   int n_blocks = 0;
   for (int l = 0; l < cfg_.num_hidden_layers; ++l) {

@@ -83,6 +83,17 @@ struct RankSetup {
   bool dcp() const { return layout.dcp > 1; }
 };
 
+// An MTP / EAGLE draft model's input (spec/draft_model.h): layer 0 reads
+// eh_proj(concat(RMSNorm_e(embed(token)), RMSNorm_h(h))), h a hidden row given with each step
+// (CudaBackbone::step_fused), instead of the token's embedding. The host data must outlive the
+// backbone's construction (it is uploaded).
+struct FusedInputWeights {
+  const WeightMatrix* eh_proj = nullptr;      // [hidden, 2 * hidden] bf16
+  const std::vector<float>* enorm = nullptr;  // [hidden]
+  const std::vector<float>* hnorm = nullptr;  // [hidden]
+  bool enabled() const { return eh_proj != nullptr; }
+};
+
 struct CudaBackboneOptions {
   int max_rows = 64;   // rows (requests) per step
   SlotPoolShape pool;  // slots, context, page size, KDA state dtype
@@ -102,6 +113,7 @@ struct CudaBackboneOptions {
   // A slot the multi-rank driver pads steps with (-1: none): its run may be longer than the
   // reserved KDA snapshots (the kernel keeps none past them) and nothing of it is ever read.
   int padding_slot = -1;
+  FusedInputWeights fused_input;  // a draft model's input fusion (then steps use step_fused)
 };
 
 // Time per stage of one step (profile_step), summed over layers: where the time goes.
@@ -145,6 +157,10 @@ class CudaBackbone final : public StepExecutor {
   // needs reserve_snapshots(longest run - 1).
   void step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
             StepPath path = StepPath::Stock, bool keep_kda_states = false) override;
+  // The same step for a backbone built with fused_input: row r's layer-0 input fuses tokens[r]
+  // with hidden[r] ([rows][hidden] fp32, host; bf16-valued, as the target's hidden states are).
+  void step_fused(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                  const float* hidden, StepPath path = StepPath::Stock);
   const float* logits() const;  // [max_rows][vocab] fp32 (device)
   // Waits for the step and copies rows x vocab logits to the host.
   void logits_to_host(int64_t rows, float* out);
@@ -188,6 +204,10 @@ class CudaBackbone final : public StepExecutor {
   void capture_specialized();                   // every capture size, at load / rebind
   void bind_pool();  // slot pool, host positions and step buffers for opt_.pool
   void enqueue_stock(int64_t rows);
+  // Checks a step's rows and stages its inputs (hidden: fused-input rows or null), then runs it.
+  void run_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                const float* hidden, StepPath path, bool keep_kda_states);
+  void embed_input(int64_t rows);        // P = the rows' embeddings (or the fused draft input)
   void prepare_step_rows(int64_t rows);  // positions, lengths, block tables (and DCP's) per row
   // Checks opt_.ranks against the layout; graph-unsafe communicators turn graphs off and ranks
   // turn the measured GEMM plan choice off (backbone_ranks.cu).
@@ -280,6 +300,11 @@ class CudaBackbone final : public StepExecutor {
   void bf16_to_host(const __nv_bfloat16* src, size_t n, float* out);  // waits for the stream
   cudaEvent_t inputs_copied_ = nullptr;
   std::set<cudaGraphNode_t> foreign_nodes_;  // collectives' nodes of the capture in progress
+  // fused_input: eh_proj [hidden][2 * hidden] bf16, enorm / hnorm [hidden] fp32, and pinned
+  // staging for the step's hidden rows [max_rows][hidden] bf16 bits.
+  DeviceBuffer<__nv_bfloat16> eh_proj_;
+  DeviceBuffer<float> enorm_, hnorm_;
+  uint16_t* host_hidden_ = nullptr;
 };
 
 }  // namespace k3::cuda

@@ -135,6 +135,8 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   ffn_gu32 = make<float>(R * 2 * ffn_i);
   shared_h = make<__nv_bfloat16>(R * ffn_i);
   logits = make<float>(R * cfg.vocab_size);
+  in_hidden = make<__nv_bfloat16>(R * H);
+  fuse_cat = make<__nv_bfloat16>(R * 2 * H);
 
   if (!ranks.any()) return;
   red = make<float>(R * H);

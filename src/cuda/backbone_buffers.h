@@ -88,6 +88,9 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<float> ffn_gu32;          // [rows][2 * max(dense I, shared I)] fp32
   DeviceBuffer<__nv_bfloat16> shared_h;  // [rows][max(dense I, shared I)] bf16 (side stream)
   DeviceBuffer<float> logits;            // [rows][vocab] fp32
+  // A draft model's fused input (FusedInputWeights): the given hidden rows and the concat.
+  DeviceBuffer<__nv_bfloat16> in_hidden;  // [rows][hidden] bf16
+  DeviceBuffer<__nv_bfloat16> fuse_cat;   // [rows][2 * hidden] bf16
   // One rank of a multi-rank layout (RankSetup): partial sums before their TP all-reduce,
   // the EP exchange and DCP's attention pieces (allocated only when the layout uses them).
   DeviceBuffer<float> red;                // [rows][hidden] fp32 o_proj / down partial sums

@@ -78,7 +78,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
   const int64_t H = cfg_.hidden_size;
   mark("embed");
   prepare_step_rows(R);
-  embed_rows(W.embed.bf16(), cfg_.vocab_size, H, b.tokens.data(), R, b.P.data(), stream_);
+  embed_input(R);
 
   int n_blocks = 0;
   for (int l = 0; l < cfg_.num_hidden_layers; ++l) {

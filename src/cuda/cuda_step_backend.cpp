@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "cpu/latent_format.h"
 #include "cuda/backbone.h"
+#include "cuda/cuda_draft.h"
 #include "cuda/rank_group.h"
 #include "model/loaded_model.h"
 #include "parallel/layout.h"
@@ -106,6 +107,13 @@ class CudaBackend final : public serve::StepBackend {
     // captured (growing them later drops the graphs).
     const int q = 1 + std::max(0, d.speculative_config.num_speculative_tokens);
     if (q > 1) backbone_->reserve_snapshots(q - 1);
+    // draft_model speculation drafts on this GPU (the specialized drafter with
+    // latency_specialized), beside the target.
+    if (d.speculative_config.num_speculative_tokens > 0 &&
+        d.speculative_config.method == "draft_model")
+      draft_ = std::make_unique<CudaDraftModel>(
+          spec::DraftModel::load(d.speculative_config.model, model_->config), d.max_num_seqs,
+          backbone_->max_context(), specialized_decode_config(model_->config, d).has_value());
     const int dp = d.data_parallel_size, per = backbone_->slots() / dp;
     for (int i = d.max_num_seqs - 1; i >= 0; --i) free_->free.push_back(slot_for(i, dp, per));
     verify_start_.assign(static_cast<size_t>(backbone_->slots()), 0);
@@ -171,6 +179,12 @@ class CudaBackend final : public serve::StepBackend {
       backbone_->set_position(s, verify_start_[static_cast<size_t>(s)] + consumed);
     }
     verify_q_[static_cast<size_t>(s)] = 0;
+  }
+
+  std::unique_ptr<spec::Drafter> make_drafter(const SpeculativeConfig& cfg,
+                                              const cpu::SamplingParams& sampling) override {
+    if (!draft_ || cfg.method != "draft_model") return nullptr;
+    return draft_->make_drafter(sampling);
   }
 
   // A slot starts empty: no KDA state, position 0, and no verify left to commit (a request
@@ -291,6 +305,7 @@ class CudaBackend final : public serve::StepBackend {
   std::unique_ptr<LoadedModel> model_;
   std::unique_ptr<parallel::TcpBootstrap> boot_;  // a multi-process group this process leads
   std::unique_ptr<StepExecutor> backbone_;
+  std::unique_ptr<CudaDraftModel> draft_;  // draft_model speculation on this GPU
   std::vector<int64_t> verify_start_;      // [slots] position before the last verify
   mutable std::vector<int64_t> verify_q_;  // [slots] tokens of the last verify, 0 after commit
   std::shared_ptr<FreeSlots> free_ = std::make_shared<FreeSlots>();

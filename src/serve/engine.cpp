@@ -73,6 +73,12 @@ void RequestStream::push_final(StreamEvent final_event) {
   cv_.notify_all();
 }
 
+std::unique_ptr<spec::Drafter> Engine::make_drafter(const cpu::SamplingParams& sampling) {
+  // The backend's own (a GPU draft model), else the generic one.
+  std::unique_ptr<spec::Drafter> d = backend_->make_drafter(opt_.speculative, sampling);
+  return d ? std::move(d) : spec::make_drafter(opt_.speculative, opt_.draft_model.get(), sampling);
+}
+
 Engine::Engine(std::unique_ptr<StepBackend> backend, std::shared_ptr<const TextCodec> codec,
                EngineOptions opt, Metrics& metrics)
     : backend_(std::move(backend)), codec_(std::move(codec)), opt_(opt), metrics_(metrics) {
@@ -87,7 +93,7 @@ Engine::Engine(std::unique_ptr<StepBackend> backend, std::shared_ptr<const TextC
   if (n_spec > 0) {
     K3_CHECK(backend_->supports_verify(), "speculative decoding is not supported by this backend");
     // An unknown method or a missing draft model fails here, not per request.
-    spec::make_drafter(opt_.speculative, opt_.draft_model.get());
+    make_drafter({});
   }
   // The slot pool is allocated once; requests reuse it (reset), never grow it.
   for (int i = 0; i < opt_.max_num_seqs; ++i) {
@@ -157,7 +163,7 @@ void Engine::admit() {
     free_slots_.pop_back();
     slots_[static_cast<size_t>(s->slot)]->reset();  // no state from the previous owner
     if (opt_.speculative.num_speculative_tokens > 0) {
-      s->drafter = spec::make_drafter(opt_.speculative, opt_.draft_model.get(), s->req.sampling);
+      s->drafter = make_drafter(s->req.sampling);
       s->context = s->req.prompt;
     }
     metrics_.add_prompt_tokens(static_cast<int64_t>(s->req.prompt.size()));

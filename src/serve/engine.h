@@ -36,7 +36,8 @@ struct EngineOptions {
   // num_speculative_tokens > 0: decode rows become verify rows of 1 + drafts tokens (the backend
   // must support verify); drafts are cut to fit the step's token budget.
   SpeculativeConfig speculative = {};
-  // The loaded speculative_config.model for method draft_model (shared by every request).
+  // The loaded speculative_config.model for method draft_model (shared by every request), unless
+  // the backend drafts with its own (StepBackend::make_drafter: the CUDA backend's GPU draft).
   std::shared_ptr<const spec::DraftModel> draft_model = nullptr;
 };
 
@@ -114,6 +115,8 @@ class Engine {
   void on_token(Seq& s, int64_t token);
   void accept_verified(Seq& s, const float* logits);  // logits: [q][vocab] of its verify row
   void finish(Seq& s, const std::string& reason, const std::string& error = {});
+  // A request's drafter: the backend's own, else spec::make_drafter's.
+  std::unique_ptr<spec::Drafter> make_drafter(const cpu::SamplingParams& sampling);
   void emit(Seq& s, const std::string& text);
   void publish_queue();  // under mu_
 

@@ -11,6 +11,7 @@
 #include "cpu/backbone.h"
 #include "model/loaded_model.h"
 #include "runtime/deploy_config.h"
+#include "spec/drafter.h"
 #include "spec/verify_cpu.h"
 
 namespace k3::serve {
@@ -123,6 +124,11 @@ void StepBackend::verify(std::span<const VerifyRow>) {
 
 void StepBackend::commit(SlotState&, int64_t) {
   fail("speculative decoding is not supported by this backend");
+}
+
+std::unique_ptr<spec::Drafter> StepBackend::make_drafter(const SpeculativeConfig&,
+                                                         const cpu::SamplingParams&) {
+  return nullptr;
 }
 
 std::unique_ptr<StepBackend> make_cpu_backend(std::unique_ptr<LoadedModel> model,

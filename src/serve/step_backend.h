@@ -12,7 +12,15 @@ namespace k3 {
 struct DeployConfig;
 struct LoadedModel;
 struct ModelConfig;
+struct SpeculativeConfig;
 }  // namespace k3
+
+namespace k3::cpu {
+struct SamplingParams;
+}  // namespace k3::cpu
+namespace k3::spec {
+class Drafter;
+}  // namespace k3::spec
 
 namespace k3::serve {
 
@@ -68,6 +76,10 @@ class StepBackend {
   // After verify: keep the first `consumed` tokens of the state's last verify row (1 <= consumed
   // <= q); the state then equals the state after exactly those tokens.
   virtual void commit(SlotState& state, int64_t consumed);
+  // A drafter of the backend's own for one request (the draft model on the GPU beside a CUDA
+  // target), or null, the default: the caller then makes the generic one (spec::make_drafter).
+  virtual std::unique_ptr<spec::Drafter> make_drafter(const SpeculativeConfig& cfg,
+                                                      const cpu::SamplingParams& sampling);
 };
 
 // The CPU reference backbone; owns the model (the backbone holds references into it). State

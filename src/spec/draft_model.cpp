@@ -86,14 +86,14 @@ void DraftModelDrafter::observe(const float* hidden, int64_t n) {
   observed_ += n;
 }
 
-int64_t DraftModelDrafter::pick(const float* logits, DraftTokens& d) {
-  const int64_t vocab = m_.vocab_size();
+int64_t pick_draft_token(const float* logits, int64_t vocab, const cpu::SamplingParams& sampling,
+                         Rng& rng, DraftTokens& d) {
   int64_t tok;
-  if (sampling_.temperature <= 0.0f) {
+  if (sampling.temperature <= 0.0f) {
     tok = cpu::argmax(logits, vocab);
   } else {
-    std::vector<double> q = target_probs(logits, vocab, sampling_);
-    tok = draw_from(q, rng_.uniform());
+    std::vector<double> q = target_probs(logits, vocab, sampling);
+    tok = draw_from(q, rng.uniform());
     d.probs.push_back(std::move(q));
   }
   d.tokens.push_back(tok);
@@ -125,11 +125,11 @@ DraftTokens DraftModelDrafter::propose(std::span<const int64_t> ctx, int n) {
   if (n <= 0 || st_.position == 0) return d;
   // Chained entries: the draft's own hidden state stands in for the target's.
   std::vector<float> logits = logits_, hidden = hidden_;  // [vocab], [H]
-  int64_t tok = pick(logits.data(), d);
+  int64_t tok = pick_draft_token(logits.data(), m_.vocab_size(), sampling_, rng_, d);
   for (int k = 1; k < n; ++k) {
     m_.fuse(tok, hidden.data(), in.data());
     m_.backbone().step_hidden(st_, 0, logits.data(), hidden.data(), in.data());
-    tok = pick(logits.data(), d);
+    tok = pick_draft_token(logits.data(), m_.vocab_size(), sampling_, rng_, d);
   }
   st_.truncate(consumed);  // drop the chained entries
   return d;

@@ -45,6 +45,13 @@ class DraftModel {
   // out[hidden] = eh_proj(concat(enorm(embed(token)), hnorm(hidden[hidden]))), bf16-rounded.
   void fuse(int64_t token, const float* hidden, float* out) const;
 
+  // The weights, for executors of their own (the CUDA drafter): the dense MLA body and the
+  // head's eh_proj [hidden, 2 * hidden] bf16, enorm / hnorm [hidden].
+  const LoadedModel& body() const { return *model_; }
+  const WeightMatrix& eh_proj() const { return eh_proj_; }
+  const std::vector<float>& enorm() const { return enorm_; }
+  const std::vector<float>& hnorm() const { return hnorm_; }
+
  private:
   std::unique_ptr<LoadedModel> model_;
   std::unique_ptr<SafetensorsFile> head_;
@@ -52,6 +59,12 @@ class DraftModel {
   std::vector<float> enorm_, hnorm_;  // [hidden]
   std::unique_ptr<cpu::CpuBackbone> backbone_;
 };
+
+// The draft's next token from its logits ([vocab] fp32), appended to d: the argmax for greedy
+// requests, else a draw from the draft's distribution after the request's temperature / top-k /
+// top-p, which is reported too (DraftTokens::probs) for rejection sampling.
+int64_t pick_draft_token(const float* logits, int64_t vocab, const cpu::SamplingParams& sampling,
+                         Rng& rng, DraftTokens& d);
 
 // The draft-model drafter of one request (see the header comment for the entries it keeps).
 // Greedy requests draft argmax tokens; sampled ones draw from the draft's distribution after
@@ -65,8 +78,6 @@ class DraftModelDrafter final : public Drafter {
   DraftTokens propose(std::span<const int64_t> context, int n) override;
 
  private:
-  int64_t pick(const float* logits, DraftTokens& d);
-
   const DraftModel& m_;
   cpu::SamplingParams sampling_;
   Rng rng_;

@@ -116,16 +116,19 @@ void run_generate(const GenerateOpts& o) {
   cpu::GenerateResult res;
   spec::SpecStats stats;
   if (sc.num_speculative_tokens > 0) {
-    const std::unique_ptr<spec::DraftModel> draft =
-        sc.method == "draft_model" ? spec::DraftModel::load(sc.model, cfg) : nullptr;
-    const auto drafter = spec::make_drafter(sc, draft.get(), req.sampling);
-    // On the GPU the verify steps run on the CUDA backend (q tokens as one step); the draft
-    // model, if any, on the CPU beside it.
+    // On the GPU the verify steps run on the CUDA backend (q tokens as one step) and a draft
+    // model drafts on the GPU beside it (the backend's drafter); on the CPU both run there.
     spec::SpecGenerateResult r;
     if (device == "cuda") {
       const auto backend = serve::make_cuda_backend(LoadedModel::load(dir), dc);
-      r = serve::speculative_generate_on(*backend, req, *drafter, sc.num_speculative_tokens, print);
+      const auto drafter = backend->make_drafter(sc, req.sampling);
+      const auto fallback = drafter ? nullptr : spec::make_drafter(sc, nullptr, req.sampling);
+      r = serve::speculative_generate_on(*backend, req, drafter ? *drafter : *fallback,
+                                         sc.num_speculative_tokens, print);
     } else {
+      const std::unique_ptr<spec::DraftModel> draft =
+          sc.method == "draft_model" ? spec::DraftModel::load(sc.model, cfg) : nullptr;
+      const auto drafter = spec::make_drafter(sc, draft.get(), req.sampling);
       r = spec::speculative_generate(backbone, req, *drafter, sc.num_speculative_tokens, print);
     }
     res = std::move(r.result);

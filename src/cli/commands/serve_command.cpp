@@ -132,7 +132,8 @@ void run_serve(const ServeOpts& o, const CLI::App& sub) {
   eo.max_num_batched_tokens = std::max(o.max_num_batched_tokens, dc.max_num_seqs);
   eo.max_waiting = o.max_queued_requests;
   eo.speculative = dc.speculative_config;  // runs on the CPU backend's verify step
-  if (dc.speculative_config.method == "draft_model")
+  // The CUDA backend drafts with the draft model on its GPU (StepBackend::make_drafter).
+  if (dc.speculative_config.method == "draft_model" && device != "cuda")
     eo.draft_model = spec::DraftModel::load(dc.speculative_config.model, cfg);
   serve::Engine engine(std::move(backend), codec, eo, metrics);
 
