@@ -34,46 +34,8 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
                                (2 * static_cast<size_t>(opt.max_rows) + 1) * sizeof(int32_t)));
   setup_ranks();
   weights_ = std::make_unique<DeviceWeights>(cfg, w);
-  if (const FusedInputWeights& f = opt.fused_input; f.enabled()) {
-    const int64_t H = cfg.hidden_size;
-    K3_CHECK(f.eh_proj->format == WeightFormat::BF16 && f.eh_proj->rows == H &&
-                 f.eh_proj->cols == 2 * H && f.enorm && f.hnorm &&
-                 static_cast<int64_t>(f.enorm->size()) == H &&
-                 static_cast<int64_t>(f.hnorm->size()) == H,
-             "fused input: eh_proj must be bf16 [", H, ", ", 2 * H, "] and enorm / hnorm [", H,
-             "]");
-    eh_proj_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(H * 2 * H));
-    copy_to_device(eh_proj_, static_cast<const uint16_t*>(f.eh_proj->data),
-                   static_cast<size_t>(H * 2 * H));
-    enorm_ = to_device<float>(*f.enorm);
-    hnorm_ = to_device<float>(*f.hnorm);
-    K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_hidden_),
-                                 static_cast<size_t>(opt.max_rows * H) * sizeof(uint16_t)));
-  }
-  const RankSetup& rk = opt_.ranks;
-  for (size_t l = 0; l < weights_->layers.size(); ++l) {
-    const DevMoe& m = weights_->layers[l].moe_w;
-    if (!weights_->layers[l].moe) continue;
-    if (rk.ep()) {
-      // EP rank r holds experts [r * E / world, (r + 1) * E / world) (parallel::RankWeights).
-      const int per = static_cast<int>(m.gate.rows) / rk.layout.world();
-      K3_CHECK(m.local.begin == rk.rank * per && m.local.count == per, "MoE layer ", l,
-               " holds experts [", m.local.begin, ", ", m.local.begin + m.local.count,
-               "), not expert-parallel rank ", rk.rank, "'s [", rk.rank * per, ", ",
-               (rk.rank + 1) * per, ")");
-      K3_CHECK(static_cast<int64_t>(rk.layout.world()) * opt.max_rows * cfg.num_experts_per_token <=
-                   kMaxGroupedPairs,
-               "expert parallelism over ", rk.layout.world(), " ranks at ", opt.max_rows,
-               " rows each gathers more than ", kMaxGroupedPairs,
-               " (row, expert) pairs per step; lower the rows per step");
-    } else {
-      K3_CHECK(m.local.count == m.gate.rows || opt.stub_collectives, "MoE layer ", l,
-               " holds experts [", m.local.begin, ", ", m.local.begin + m.local.count, ") of ",
-               m.gate.rows,
-               ": an expert-parallel slice runs only with its EP communicator or with "
-               "stub_collectives (one rank alone)");
-    }
-  }
+  upload_fused_input();
+  check_expert_slices();
   bind_pool();
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
@@ -83,6 +45,24 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
                  (i == 0 || opt.capture_sizes[i] > opt.capture_sizes[i - 1]),
              "capture sizes must ascend within 1..max_rows (", opt.max_rows, ")");
   capture_specialized();
+}
+
+void CudaBackbone::upload_fused_input() {
+  const FusedInputWeights& f = opt_.fused_input;
+  if (!f.enabled()) return;
+  const int64_t H = cfg_.hidden_size;
+  K3_CHECK(f.eh_proj->format == WeightFormat::BF16 && f.eh_proj->rows == H &&
+               f.eh_proj->cols == 2 * H && f.enorm && f.hnorm &&
+               static_cast<int64_t>(f.enorm->size()) == H &&
+               static_cast<int64_t>(f.hnorm->size()) == H,
+           "fused input: eh_proj must be bf16 [", H, ", ", 2 * H, "] and enorm / hnorm [", H, "]");
+  eh_proj_ = DeviceBuffer<__nv_bfloat16>(static_cast<size_t>(H * 2 * H));
+  copy_to_device(eh_proj_, static_cast<const uint16_t*>(f.eh_proj->data),
+                 static_cast<size_t>(H * 2 * H));
+  enorm_ = to_device<float>(*f.enorm);
+  hnorm_ = to_device<float>(*f.hnorm);
+  K3_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&host_hidden_),
+                               static_cast<size_t>(opt_.max_rows * H) * sizeof(uint16_t)));
 }
 
 void CudaBackbone::capture_specialized() {
@@ -250,29 +230,10 @@ void CudaBackbone::step_fused(std::span<const int32_t> slots, std::span<const in
 void CudaBackbone::run_step(std::span<const int32_t> slots, std::span<const int32_t> tokens,
                             const float* hidden, StepPath path, bool keep_kda_states) {
   const int64_t rows = static_cast<int64_t>(slots.size());
-  K3_CHECK(rows >= 1 && rows <= opt_.max_rows, "a step takes 1..", opt_.max_rows, " rows, got ",
-           rows);
-  K3_CHECK(tokens.size() == slots.size(), "step: ", slots.size(), " slots but ", tokens.size(),
-           " tokens");
+  const int64_t longest = check_step_rows(slots, tokens, opt_.max_rows, cfg_.vocab_size, host_pos_,
+                                          opt_.pool.max_context, opt_.padding_slot);
   K3_CHECK(path == StepPath::Stock || rows <= max_capture_rows(), "a specialized step takes 1..",
            max_capture_rows(), " rows (the largest capture size), got ", rows);
-  // Runs: the rows of one slot are consecutive, and a slot has one run per step.
-  std::vector<bool> seen(static_cast<size_t>(pool_->slots()), false);
-  int64_t longest = 0;
-  for (int64_t r = 0, run = 0; r < rows; ++r) {
-    const int32_t s = slots[static_cast<size_t>(r)], t = tokens[static_cast<size_t>(r)];
-    K3_CHECK(s >= 0 && s < pool_->slots(), "slot ", s, " outside the pool of ", pool_->slots());
-    const bool continues = r > 0 && slots[static_cast<size_t>(r - 1)] == s;
-    K3_CHECK(continues || !seen[static_cast<size_t>(s)], "slot ", s,
-             " has two separate runs of rows in one step (its rows must be consecutive)");
-    seen[static_cast<size_t>(s)] = true;
-    run = continues ? run + 1 : 1;
-    if (s != opt_.padding_slot) longest = std::max(longest, run);
-    K3_CHECK(t >= 0 && t < cfg_.vocab_size, "token id ", t, " is outside the vocabulary [0, ",
-             cfg_.vocab_size, ")");
-    K3_CHECK(host_pos_[static_cast<size_t>(s)] + run <= opt_.pool.max_context, "context length ",
-             opt_.pool.max_context, " exceeded in slot ", s);
-  }
   K3_CHECK(!keep_kda_states || longest - 1 <= pool_->snapshots(), "a run of ", longest,
            " rows keeps ", longest - 1, " KDA snapshots; ", pool_->snapshots(),
            " are reserved (reserve_snapshots)");

@@ -212,6 +212,9 @@ class CudaBackbone final : public StepExecutor {
   // Checks opt_.ranks against the layout; graph-unsafe communicators turn graphs off and ranks
   // turn the measured GEMM plan choice off (backbone_ranks.cu).
   void setup_ranks();
+  // The MoE layers hold all experts, or this EP rank's share (or a stubbed slice).
+  void check_expert_slices() const;
+  void upload_fused_input();  // opt_.fused_input's weights on the device (a draft backbone)
   // Graph capture mode: relaxed when collectives run in the graph (NCCL calls CUDA APIs a
   // thread-local capture would refuse), else thread-local.
   cudaStreamCaptureMode capture_mode() const {

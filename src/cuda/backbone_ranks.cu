@@ -11,6 +11,7 @@
 #include "cuda/check.h"
 #include "cuda/linear_plan.h"
 #include "cuda/mla_decode.h"
+#include "cuda/moe_dispatch.h"
 #include "cuda/rank_ops.h"
 
 namespace k3::cuda {
@@ -45,6 +46,34 @@ void CudaBackbone::setup_ranks() {
   // Every rank must pick the same GEMM plans: the computations ranks replicate (router, latent
   // projections, lm_head) then give the same bits everywhere, so every rank routes alike.
   set_linear_tuning(false);
+}
+
+void CudaBackbone::check_expert_slices() const {
+  const RankSetup& rk = opt_.ranks;
+  for (size_t l = 0; l < weights_->layers.size(); ++l) {
+    const DevMoe& m = weights_->layers[l].moe_w;
+    if (!weights_->layers[l].moe) continue;
+    if (rk.ep()) {
+      // EP rank r holds experts [r * E / world, (r + 1) * E / world) (parallel::RankWeights).
+      const int per = static_cast<int>(m.gate.rows) / rk.layout.world();
+      K3_CHECK(m.local.begin == rk.rank * per && m.local.count == per, "MoE layer ", l,
+               " holds experts [", m.local.begin, ", ", m.local.begin + m.local.count,
+               "), not expert-parallel rank ", rk.rank, "'s [", rk.rank * per, ", ",
+               (rk.rank + 1) * per, ")");
+      K3_CHECK(
+          static_cast<int64_t>(rk.layout.world()) * opt_.max_rows * cfg_.num_experts_per_token <=
+              kMaxGroupedPairs,
+          "expert parallelism over ", rk.layout.world(), " ranks at ", opt_.max_rows,
+          " rows each gathers more than ", kMaxGroupedPairs,
+          " (row, expert) pairs per step; lower the rows per step");
+    } else {
+      K3_CHECK(m.local.count == m.gate.rows || opt_.stub_collectives, "MoE layer ", l,
+               " holds experts [", m.local.begin, ", ", m.local.begin + m.local.count, ") of ",
+               m.gate.rows,
+               ": an expert-parallel slice runs only with its EP communicator or with "
+               "stub_collectives (one rank alone)");
+    }
+  }
 }
 
 void CudaBackbone::collective(const std::function<void()>& run) {

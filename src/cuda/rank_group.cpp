@@ -270,15 +270,13 @@ void RankedBackbone::step(std::span<const int32_t> slots, std::span<const int32_
                           StepPath path, bool keep_kda_states) {
   Impl& m = *impl_;
   const int64_t n = static_cast<int64_t>(slots.size());
-  K3_CHECK(n >= 1 && n <= max_rows(), "a step takes 1..", max_rows(), " rows, got ", n);
-  K3_CHECK(tokens.size() == slots.size(), "step: ", slots.size(), " slots but ", tokens.size(),
-           " tokens");
+  // Checked here for every replica (a follower must not fail after the command went out).
+  check_step_rows(slots, tokens, max_rows(), m.cfg->vocab_size, m.positions, max_context());
   // Each replica's rows in order; every replica padded to the longest one's count.
   std::vector<std::vector<int32_t>> rs(static_cast<size_t>(m.dp())), ts(rs.size());
   std::vector<std::pair<int64_t, int64_t>> at;  // step row -> (replica, row in the replica)
   for (int64_t r = 0; r < n; ++r) {
     const int32_t g = slots[static_cast<size_t>(r)];
-    m.check_slot(g);
     const size_t d = static_cast<size_t>(g / m.S);
     at.emplace_back(static_cast<int64_t>(d), static_cast<int64_t>(rs[d].size()));
     rs[d].push_back(g % m.S);
@@ -297,22 +295,6 @@ void RankedBackbone::step(std::span<const int32_t> slots, std::span<const int32_
     c.slots.insert(c.slots.end(), rs[d].begin(), rs[d].end());
     c.tokens.insert(c.tokens.end(), ts[d].begin(), ts[d].end());
   }
-  // Validate the run rule and context here (the leader's ranks check theirs; the other
-  // replicas' must not fail after the command went out).
-  for (int64_t r = 0; r < n; ++r) {
-    const int32_t g = slots[static_cast<size_t>(r)];
-    if (r > 0 && slots[static_cast<size_t>(r - 1)] == g) continue;
-    int64_t run = 1;
-    while (r + run < n && slots[static_cast<size_t>(r + run)] == g) ++run;
-    for (int64_t q = r + run; q < n; ++q)
-      K3_CHECK(slots[static_cast<size_t>(q)] != g, "slot ", g,
-               " has two separate runs of rows in one step (its rows must be consecutive)");
-    K3_CHECK(m.positions[static_cast<size_t>(g)] + run <= max_context(), "context length ",
-             max_context(), " exceeded in slot ", g);
-  }
-  for (const int32_t t : tokens)
-    K3_CHECK(t >= 0 && t < m.cfg->vocab_size, "token id ", t, " is outside the vocabulary [0, ",
-             m.cfg->vocab_size, ")");
   m.run(c);
   for (const int32_t g : slots) ++m.positions[static_cast<size_t>(g)];
   m.row_at.clear();

@@ -44,4 +44,12 @@ class StepExecutor {
   virtual void hidden_to_host(int64_t rows, float* out) = 0;
 };
 
+// The checks every step's rows get, before anything is enqueued: 1..max_rows rows, a token per
+// row within the vocabulary, slots within [0, positions.size()), a slot's rows consecutive (one
+// run per slot per step) and each run within max_context after positions[slot]. Returns the
+// longest run, a padding slot's excluded (it keeps no snapshots). k3::Error names the problem.
+int64_t check_step_rows(std::span<const int32_t> slots, std::span<const int32_t> tokens,
+                        int max_rows, int64_t vocab, std::span<const int64_t> positions,
+                        int64_t max_context, int padding_slot = -1);
+
 }  // namespace k3::cuda

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -228,10 +229,35 @@ TEST(CudaRanks, StepChecksAndSlotCommands) {
   for (float v : hidden) ASSERT_TRUE(std::isfinite(v));
 }
 
+// Drafts the known greedy continuation (plain generation's tokens), wrong from the third draft
+// on every other step: verify steps then accept 2 and 3 drafts alternately, so commits keep a
+// partial run (a restored KDA snapshot) as well as a whole one.
+class KnownContinuation final : public spec::Drafter {
+ public:
+  KnownContinuation(std::vector<int64_t> continuation, size_t prompt, int64_t vocab)
+      : cont_(std::move(continuation)), prompt_(prompt), vocab_(vocab) {}
+  spec::DraftTokens propose(std::span<const int64_t> context, int n) override {
+    spec::DraftTokens d;
+    const size_t at = context.size() - prompt_;  // tokens generated so far
+    for (int i = 0; i < n && at + i < cont_.size(); ++i) {
+      const int64_t t = cont_[at + i];
+      d.tokens.push_back(i == 2 && calls_ % 2 == 0 ? (t + 1) % vocab_ : t);
+    }
+    ++calls_;
+    return d;
+  }
+
+ private:
+  std::vector<int64_t> cont_;
+  size_t prompt_;
+  int64_t vocab_;
+  int calls_ = 0;
+};
+
 // The serving backend over the ranks (`k3 serve --tensor-parallel-size ...` on the GPU): plain
-// greedy generation equals the single-rank backend's, and speculative verify + commit (q runs,
-// KDA snapshots on every rank, the idle replica padding a verify step) gives plain greedy's
-// tokens, bit for bit with batch-invariant plans.
+// greedy generation equals the single-rank backend's for DEP, and speculative verify + commit
+// (q runs, KDA snapshots on every rank, the idle replica padding a verify step) gives plain
+// greedy's tokens, bit for bit with batch-invariant plans.
 TEST(CudaRanks, ServingBackendRunsLayoutsWithSpeculativeVerify) {
   const BatchInvariantScope invariant(true);
   TuningOffScope tuning;
@@ -259,10 +285,11 @@ TEST(CudaRanks, ServingBackendRunsLayoutsWithSpeculativeVerify) {
     auto b = backend(tp, dp, true, 3);
     const cpu::GenerateResult plain = serve::generate_on(*b, req);
     if (tp == 1) EXPECT_EQ(plain.tokens, single.tokens);  // DEP: the single rank's rows
-    spec::NgramDrafter ngram(1, 4);
-    const spec::SpecGenerateResult r = serve::speculative_generate_on(*b, req, ngram, 3);
+    KnownContinuation drafter(plain.tokens, req.prompt.size(), m.config.vocab_size);
+    const spec::SpecGenerateResult r = serve::speculative_generate_on(*b, req, drafter, 3);
     EXPECT_EQ(r.result.tokens, plain.tokens);
-    EXPECT_GT(r.stats.draft_tokens, 0);  // verify steps ran (random weights accept few drafts)
+    EXPECT_GT(r.stats.accepted, r.stats.steps);         // more than one draft accepted per step
+    EXPECT_LT(r.stats.accepted, r.stats.draft_tokens);  // and some rejected
   }
 }
 
