@@ -2,7 +2,9 @@
 // the backbone holds experts [begin, begin + count) of the router's E, the others left empty as
 // parallel::RankWeights leaves them, and runs alone with its collectives stubbed. Oracle: the
 // CPU reference on the whole model with every other expert's weights zero (a zero expert adds
-// exactly 0 to the routed sum), teacher-forced, on both step paths, to the bf16 noise floor.
+// exactly 0 to the routed sum), teacher-forced, on both step paths, to the bf16 noise floor; and
+// the GPU step of that zeroed whole model, which must match the slice bit for bit under
+// batch-invariant plans (the slice skips the pairs a zero expert would add 0 for).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,8 +26,12 @@ namespace {
 
 using cuda::StepPath;
 
-constexpr double kNoiseSlack = 1.5;  // as test_cuda_specialized.cu
-constexpr double kNoiseAbs = 0.02;   // as test_cuda_backbone.cu: a mean rel L2 always accepted
+// Against the CPU: 2.5x the fp32-vs-bf16 distance on the same tokens (the other tests' 1.5x
+// failed 3 of 8 seeds on tiny-kimi-linear, at this change and before it: ratios 0.06-2.34 seen,
+// one routing near-tie over 40 steps is enough), or 2% outright. The exact GPU oracle above is
+// the sharp check of the slice.
+constexpr double kNoiseSlack = 2.5;
+constexpr double kNoiseAbs = 0.02;  // as test_cuda_backbone.cu: a mean rel L2 always accepted
 constexpr int kSteps = 40;
 
 bool held(int e, int begin, int count) {
@@ -76,13 +82,17 @@ void check_rank(const std::string& preset, int begin, int count) {
   cuda::CudaBackboneOptions o = options(2, true);
   o.capture_sizes = {1};
   o.stub_collectives = true;
+  const BatchInvariantScope invariant(true);
   cuda::CudaBackbone gpu(cfg, rank_w, o);
+  cuda::CudaBackboneOptions wo = options(2, true);
+  wo.capture_sizes = {1};
+  cuda::CudaBackbone whole(cfg, oracle_w, wo);  // every expert, the others' weights zero
 
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   cpu::DecodeState st = ref.new_state(), st32 = ref32.new_state();
   const size_t V = static_cast<size_t>(cfg.vocab_size);
-  std::vector<float> want(V), want32(V), stock(V), spec(V);
+  std::vector<float> want(V), want32(V), stock(V), spec(V), whole_stock(V), whole_spec(V);
   std::vector<int64_t> tokens = random_prompt(cfg, seed, 6);
   double d_stock = 0, d_spec = 0, d_ref32 = 0;
   for (int i = 0; i < kSteps; ++i) {
@@ -94,6 +104,12 @@ void check_rank(const std::string& preset, int begin, int count) {
     gpu.logits_to_host(1, stock.data());
     gpu.step({&s1, 1}, {&tok, 1}, StepPath::Specialized);
     gpu.logits_to_host(1, spec.data());
+    whole.step({&s0, 1}, {&tok, 1}, StepPath::Stock);
+    whole.logits_to_host(1, whole_stock.data());
+    whole.step({&s1, 1}, {&tok, 1}, StepPath::Specialized);
+    whole.logits_to_host(1, whole_spec.data());
+    ASSERT_TRUE(stock == whole_stock) << "step " << i << ": slice vs zeroed whole model, stock";
+    ASSERT_TRUE(spec == whole_spec) << "step " << i << ": slice vs zeroed whole model, specialized";
     for (size_t v = 0; v < V; ++v)
       ASSERT_TRUE(std::isfinite(stock[v]) && std::isfinite(spec[v])) << "step " << i;
     d_stock += rel_l2(stock, want);
