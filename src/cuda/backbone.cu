@@ -13,7 +13,6 @@
 #include "cuda/check.h"
 #include "cuda/graph_pdl.h"
 #include "cuda/linear_plan.h"
-#include "cuda/moe_dispatch.h"
 #include "cuda/rank_ops.h"
 #include "cuda/rms_norm.h"
 #include "cuda/step_ops.h"

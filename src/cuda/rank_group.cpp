@@ -48,9 +48,14 @@ void check_gpu_layout(const ModelConfig& cfg, const ModelWeights& w,
 }  // namespace
 
 struct RankedBackbone::Impl {
-  const ModelConfig* cfg = nullptr;
+  Impl(const ModelConfig& c, const RankedOptions& o) : cfg(&c), opt(o), S(o.backbone.pool.slots) {
+    K3_CHECK(S >= 1, "multi-rank backbone: at least one slot per replica");
+    positions.assign(static_cast<size_t>(dp() * S), 0);
+  }
+
+  const ModelConfig* cfg;
   RankedOptions opt;
-  int S = 0;                       // request slots per replica
+  int S;                           // request slots per replica
   std::vector<int64_t> positions;  // [dp * S] host mirror
   int32_t last_rows = 0;           // rows per replica of the last step (padded)
   int snapshots = 0;               // KDA snapshots reserved on every rank
@@ -62,6 +67,7 @@ struct RankedBackbone::Impl {
   std::vector<std::unique_ptr<parallel::InProcessGroup>> tp_groups;
   std::vector<std::unique_ptr<RankWorker>> ranks;
   std::unique_ptr<ThreadTeam> team;
+  int devices = 1;  // visible GPUs
 
   // Process per rank: this process leads.
   parallel::TcpBootstrap* boot = nullptr;
@@ -104,7 +110,8 @@ struct RankedBackbone::Impl {
     });
   }
 
-  void ranks_device(int r) const { K3_CUDA_CHECK(cudaSetDevice(r % visible_devices())); }
+  // Rank r's GPU (threads placement): one of the devices visible at construction.
+  void ranks_device(int r) const { K3_CUDA_CHECK(cudaSetDevice(r % devices)); }
 
   void run_leader(const RankCommand& c, std::span<float* const> dst, int64_t width) {
     send_command(*boot, c);
@@ -151,14 +158,10 @@ struct RankedBackbone::Impl {
 
 RankedBackbone::RankedBackbone(const ModelConfig& cfg, const ModelWeights& w,
                                const RankedOptions& o)
-    : impl_(std::make_unique<Impl>()) {
+    : impl_(std::make_unique<Impl>(cfg, o)) {
   Impl& m = *impl_;
-  m.cfg = &cfg;
-  m.opt = o;
-  m.S = o.backbone.pool.slots;
   check_gpu_layout(cfg, w, o.layout);
-  K3_CHECK(m.S >= 1, "multi-rank backbone: at least one slot per replica");
-  m.positions.assign(static_cast<size_t>(m.dp() * m.S), 0);
+  m.devices = visible_devices();
   const int W = o.layout.world(), tp = o.layout.tp;
   m.world_group = std::make_unique<parallel::InProcessGroup>(W);
   for (int d = 0; d < o.layout.dp; ++d)
@@ -184,15 +187,10 @@ RankedBackbone::RankedBackbone(const ModelConfig& cfg, const ModelWeights& w,
 
 RankedBackbone::RankedBackbone(const ModelConfig& cfg, const ModelWeights& w,
                                const RankedOptions& o, parallel::TcpBootstrap& boot, RankComm comm)
-    : impl_(std::make_unique<Impl>()) {
+    : impl_(std::make_unique<Impl>(cfg, o)) {
   Impl& m = *impl_;
   K3_CHECK(boot.rank() == 0, "the multi-rank leader is rank 0; rank ", boot.rank(),
            " runs follow_rank");
-  m.cfg = &cfg;
-  m.opt = o;
-  m.S = o.backbone.pool.slots;
-  K3_CHECK(m.S >= 1, "multi-rank backbone: at least one slot per replica");
-  m.positions.assign(static_cast<size_t>(m.dp() * m.S), 0);
   m.boot = &boot;
   try {
     check_gpu_layout(cfg, w, o.layout);
@@ -214,9 +212,6 @@ RankedBackbone::~RankedBackbone() {
   }
 }
 
-const parallel::ParallelLayout& RankedBackbone::layout() const {
-  return impl_->opt.layout;
-}
 int RankedBackbone::slots() const {
   return impl_->dp() * impl_->S;
 }

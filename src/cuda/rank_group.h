@@ -64,8 +64,6 @@ class RankedBackbone final : public StepExecutor {
   RankedBackbone(const RankedBackbone&) = delete;
   RankedBackbone& operator=(const RankedBackbone&) = delete;
 
-  const parallel::ParallelLayout& layout() const;
-
   int slots() const override;
   int64_t max_context() const override;
   int max_rows() const override;
