@@ -53,7 +53,7 @@ std::string LinearPlan::str() const {
     return os.str();
   }
   os << "nt" << nt << " mt" << mt << " wn" << wn << " wk" << wk << " ck" << ck << " s" << stages
-     << " grid" << grid_x() * groups << "x" << threads()
+     << " grid" << grid_x() * slot_ctas() << "x" << threads()
      << (active_groups > 0 && active_groups < groups ? " busy" + std::to_string(active_groups) : "")
      << " smem" << (smem_bytes + 1023) / 1024 << "K";
   return os.str();
@@ -95,7 +95,7 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
       static_cast<size_t>(p.wn * p.wk) * p.stages * linear_stage_bytes(p.weight, p.mt);
   const size_t red = static_cast<size_t>(p.wk) * mx * p.rows_per_cta() * sizeof(float);
   p.smem_bytes = std::max(p.x_bytes + rings, red);
-  return p.smem_bytes <= d.smem_per_block_optin;
+  return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
 }
 
 double h200_read_curve_tbps(double bytes) {
@@ -252,6 +252,27 @@ namespace k3::cuda::detail {
 
 bool linear_tuning_enabled() {
   return linear_tuning();
+}
+
+void flush_l2(cudaStream_t stream) {
+  static std::mutex mu;
+  static std::array<std::pair<void*, size_t>, 64> scratch{};  // per device, kept for the process
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  K3_CHECK(dev >= 0 && dev < 64, "flush_l2: device ", dev);
+  std::pair<void*, size_t> buf;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!scratch[dev].first) {
+      int l2 = 0;
+      K3_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+      const size_t bytes = 2 * static_cast<size_t>(std::max(l2, 8 << 20));
+      K3_CUDA_CHECK(cudaMalloc(&scratch[dev].first, bytes));
+      scratch[dev].second = bytes;
+    }
+    buf = scratch[dev];
+  }
+  K3_CUDA_CHECK(cudaMemsetAsync(buf.first, 0x5a, buf.second, stream));
 }
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {

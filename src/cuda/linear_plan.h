@@ -37,7 +37,8 @@ struct LinearPlan {
   int groups = 1;  // grouped (MoE) launches: slots; dense: 1
   // Grouped: slots expected to hold rows (0: all). The model sizes the tiling for the work of
   // these (an EP rank at batch 1 has ~1 of its 16 compact slots busy: one expert must then be
-  // spread over the whole GPU); the launch still covers `groups` slots, idle ones exit at once.
+  // spread over the whole GPU); the launch has that many rows of CTAs, which take turns over all
+  // `groups` slots and skip the idle ones.
   int active_groups = 0;
   // Knobs.
   bool fallback = false;  // generic kernel: K or alignment the tiled kernel cannot take
@@ -57,8 +58,17 @@ struct LinearPlan {
   int rows_per_cta() const { return 16 * mt * wn; }
   int64_t row_tiles() const { return (n + rows_per_cta() - 1) / rows_per_cta(); }
   int64_t grid_x() const { return row_tiles() * ck; }
+  // Grouped: rows of CTAs along y, each taking its turn over the slots (skinny_gemm.cuh): one
+  // per expected busy slot, so idle slots cost no CTAs.
+  int slot_ctas() const {
+    return active_groups > 0 && active_groups < groups ? active_groups : groups;
+  }
   std::string str() const;
 };
+
+// Static shared memory the skinny kernels may hold beside a plan's dynamic smem_bytes (the
+// grouped launch's busy-slot list): finalize_plan keeps the sum within the device's opt-in.
+constexpr size_t kSkinnyStaticSmem = 1024;
 
 // Format constants.
 int linear_chunk_k(LinearWeight w);                                // k per chunk: 64 / 256

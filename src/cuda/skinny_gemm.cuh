@@ -32,6 +32,7 @@ struct SkinnyArgs {
   const int32_t* slot_expert = nullptr;   // [groups]
   const int32_t* slot_offsets = nullptr;  // [groups + 1]
   const int32_t* row_index = nullptr;     // [rows]: x row of each gathered row, or null (same)
+  int n_slots = 0;                        // groups (the CTAs' y rows take turns over them)
   const __nv_bfloat16* x = nullptr;       // [*, ldx] bf16
   int64_t ldx = 0;
   // Instead of x (tiled kernel only): x = bf16(glu(g, u)) computed while staging, g at
@@ -79,14 +80,12 @@ __device__ __forceinline__ uint4 permute_x8(uint4 v) {
                     __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
 }
 
+// One row tile (blockIdx.x) of one weight: y rows [off, off + mx) = x rows . W^T (a dense
+// launch: off 0; a grouped one: a slot's rows, W its expert's). Uses all of shared memory; the
+// caller syncs the CTA before calling it again.
 template <class Fmt, int NT, int MT>
-__global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
-    skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  pdl_launch_dependents();
-  // Grouped launches read the expert of their slot from the previous kernel's output; dense
-  // ones only read x from it, so their weight prologue below overlaps the previous kernel.
-  if (a.slot_expert) pdl_wait();
+__device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, const uint8_t* Ws,
+                                            int mx, int off, uint8_t* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int wn_i = warp % a.wn, wk_i = warp / a.wn;
@@ -95,22 +94,6 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
   const int bn = 16 * MT * a.wn;
   const int row0_cta = tile * bn;
   const int row0_w = row0_cta + wn_i * 16 * MT;
-
-  // Which weight and which rows: a uniform decision for the whole cluster (same slot).
-  const void* W = a.w;
-  const uint8_t* Ws = a.ws;
-  int mx = min(a.m, 8 * NT);
-  int off = 0;
-  if (a.slot_expert) {
-    const int s = blockIdx.y;
-    const int e = a.slot_expert[s];
-    off = a.slot_offsets[s];
-    const int cnt = a.slot_offsets[s + 1] - off;
-    if (e < 0 || cnt <= 0) return;
-    W = a.w_table[e];
-    Ws = a.ws_table ? a.ws_table[e] : nullptr;
-    mx = min(cnt, mx);
-  }
 
   // K split: chunks [c_lo, c_hi) for this CTA, [w_lo, w_hi) for this warp.
   const int c_lo = static_cast<int>(static_cast<int64_t>(a.chunks) * rank / a.ck);
@@ -243,6 +226,59 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     store(idx, t);
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+// Dense: one tile of W per CTA. Grouped (MoE): the CTAs of row y cover slots y, y + gridDim.y,
+// ... in turn, skipping idle ones (expert < 0 or no rows). gridDim.y is the plan's expected busy
+// slot count, not the slot count: an EP rank at batch 1 has ~1 busy slot of 16, and a grid over
+// every slot spent its time dispatching CTAs that only found their slot idle and exited.
+template <class Fmt, int NT, int MT>
+__global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
+    skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  pdl_launch_dependents();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int mx_max = min(a.m, 8 * NT);
+  if (!a.slot_expert) {  // dense: x is read after the weight prologue (it waits there)
+    skinny_tile<Fmt, NT, MT>(a, a.w, a.ws, mx_max, 0, smem);
+    return;
+  }
+  // Grouped launches read the expert of their slot from the previous kernel's output.
+  pdl_wait();
+  __shared__ int busy_e[32], busy_off[32], busy_cnt[32];
+  __shared__ int n_busy;
+  const int stride = static_cast<int>(gridDim.y);
+  // 32 candidate slots per round: warp 0 reads them at once and lists the busy ones. The
+  // decision is uniform over a cluster (same slots, same device values).
+  for (int base = static_cast<int>(blockIdx.y); base < a.n_slots; base += 32 * stride) {
+    if (warp == 0) {
+      const int s = base + lane * stride;
+      int e = -1, off = 0, cnt = 0;
+      if (s < a.n_slots) {
+        e = a.slot_expert[s];
+        off = a.slot_offsets[s];
+        cnt = a.slot_offsets[s + 1] - off;
+      }
+      const bool on = e >= 0 && cnt > 0;
+      const unsigned m = __ballot_sync(0xffffffffu, on);
+      if (on) {
+        const int i = __popc(m & ((1u << lane) - 1u));
+        busy_e[i] = e;
+        busy_off[i] = off;
+        busy_cnt[i] = cnt;
+      }
+      if (lane == 0) n_busy = __popc(m);
+    }
+    __syncthreads();
+    const int nb = n_busy;
+    for (int i = 0; i < nb; ++i) {
+      const int e = busy_e[i];
+      skinny_tile<Fmt, NT, MT>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
+                               min(busy_cnt[i], mx_max), busy_off[i], smem);
+      __syncthreads();  // shared memory is the next slot's
+    }
+    __syncthreads();  // every thread has read n_busy before warp 0 rewrites the list
+  }
 }
 
 }  // namespace k3::cuda::detail

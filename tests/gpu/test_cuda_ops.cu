@@ -345,10 +345,13 @@ TEST(CudaLinearMxfp4, EveryKindOfPlan) {
 
 // Grouped MoE form: slots read their expert and rows from device memory; a skipped slot's rows
 // stay untouched (NaN), every other row is written.
+// expected_active: the plan's busy slots, i.e. its rows of CTAs, which take turns over the slots.
 void check_grouped(Rng& rng, int64_t N, int64_t K, const std::vector<int32_t>& experts,
-                   const std::vector<int32_t>& counts, int max_rows, int n_experts) {
+                   const std::vector<int32_t>& counts, int max_rows, int n_experts,
+                   int expected_active = 0) {
   const std::string what = "linear_mxfp4_grouped N" + std::to_string(N) + " K" + std::to_string(K) +
-                           " max_rows " + std::to_string(max_rows);
+                           " max_rows " + std::to_string(max_rows) + " expected_active " +
+                           std::to_string(expected_active);
   std::vector<Fp4Weight> w;
   std::vector<const uint8_t*> tp, ts;
   for (int e = 0; e < n_experts; ++e) {
@@ -375,6 +378,7 @@ void check_grouped(Rng& rng, int64_t N, int64_t K, const std::vector<int32_t>& e
   g.row_index = d_row.data();
   g.n_slots = static_cast<int>(experts.size());
   g.max_rows_per_slot = max_rows;
+  g.expected_active = expected_active;
   Out y(static_cast<size_t>(rows * N), false);
   cuda::linear_mxfp4_grouped(g, x.dev.data(), K, N, K, y.ptr(), N, false, nullptr);
   const std::vector<float> got = y.get();
@@ -403,6 +407,10 @@ TEST(CudaLinearMxfp4, GroupedExperts) {
   Rng rng(seed);
   // Expert 3 twice, a skipped slot (-1), an empty slot; tiled (bound 5) and generic (bound 70).
   check_grouped(rng, 200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5);
+  // Fewer rows of CTAs than busy slots: each row takes several slots in turn.
+  for (int busy : {1, 2})
+    check_grouped(rng, 200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, busy);
+  check_grouped(rng, 3072, 3584, {1, 2, 0}, {1, 1, 2}, 2, 3, 1);
   check_grouped(rng, 3072, 3584, {2, 0}, {1, 3}, 3, 3);
   check_grouped(rng, 130, 512, {1, 0}, {70, 2}, 70, 2);
   check_grouped(rng, 64, 96, {0, 1}, {3, 1}, 3, 2);  // K % 256 != 0: generic kernel
