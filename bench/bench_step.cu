@@ -441,7 +441,7 @@ int run(const Args& a) {
           const char* what;
           cuda::SpecializedTuning t;
         };
-        std::vector<Flip> flips(7, Flip{"", def});
+        std::vector<Flip> flips(8, Flip{"", def});
         flips[0].what = "PDL edges off";
         flips[0].t.pdl = false;
         flips[1].what = def.l2_prefetch_bytes > 0 ? "L2 prefetch off" : "L2 prefetch on, 24 MB";
@@ -457,11 +457,12 @@ int run(const Args& a) {
         flips[5].what = def.fold_moe_residual ? "MoE residual adds as kernels"
                                               : "MoE residual adds in the latent-up store";
         flips[5].t.fold_moe_residual = !def.fold_moe_residual;
-        flips[6].what = "run 9's choices: latent after router, GLU kernel, add kernels";
-        flips[6].t.latent_beside_router = false;
-        flips[6].t.glu_in_down_proj = false;
-        flips[6].t.fold_residual_adds = false;
-        flips[6].t.fold_moe_residual = false;
+        flips[6].what = def.group_in_router ? "expert grouping as its own kernel"
+                                            : "expert grouping in the router kernel";
+        flips[6].t.group_in_router = !def.group_in_router;
+        flips[7].what = def.mla_kv_beside ? "MLA kv path after the query path"
+                                          : "MLA kv path beside the query path";
+        flips[7].t.mla_kv_beside = !def.mla_kv_beside;
         for (const Flip& f : flips) {
           bb.set_specialized_tuning(f.t);
           for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);

@@ -39,6 +39,7 @@ CudaBackbone::CudaBackbone(const ModelConfig& cfg, const ModelWeights& w,
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
   K3_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+  K3_CUDA_CHECK(cudaEventCreateWithFlags(&kv_ready_, cudaEventDisableTiming));
   for (size_t i = 0; i < opt.capture_sizes.size(); ++i)
     K3_CHECK(opt.capture_sizes[i] >= 1 && opt.capture_sizes[i] <= opt.max_rows &&
                  (i == 0 || opt.capture_sizes[i] > opt.capture_sizes[i - 1]),
@@ -153,6 +154,7 @@ CudaBackbone::~CudaBackbone() {
   for (auto& [key, exec] : graphs_) (void)cudaGraphExecDestroy(exec);
   if (fork_) (void)cudaEventDestroy(fork_);
   if (join_) (void)cudaEventDestroy(join_);
+  if (kv_ready_) (void)cudaEventDestroy(kv_ready_);
   if (side_) (void)cudaStreamDestroy(side_);
   if (host_in_) (void)cudaFreeHost(host_in_);
   if (host_hidden_) (void)cudaFreeHost(host_hidden_);

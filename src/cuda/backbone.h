@@ -34,6 +34,8 @@
 
 namespace k3::cuda {
 
+struct RouterGrouping;  // router.h
+
 // Per-sublayer observer for diff reports (the CPU backbone's LayerObserver): layer, "attn" or
 // "ffn", and that sublayer's output for every row, [rows][hidden] as floats.
 using LayerTap = std::function<void(int layer, const char* part, const std::vector<float>& out)>;
@@ -63,6 +65,14 @@ struct SpecializedTuning {
   // Off: that store must then wait for the side stream (no programmatic edge into it), which
   // measured 5% slower at batch 1 with the latent down beside the router than two add kernels.
   bool fold_moe_residual = false;
+  // The expert grouping in the router top-k kernel's last CTA (router_topk_grouped) instead of
+  // a grouping kernel after it: one launch fewer per MoE layer on the critical path (not under
+  // EP, whose grouping waits for the gathered ids; up to kMaxRouterGroupedPairs pairs).
+  bool group_in_router = true;
+  // MLA: the kv path (kv_a, its norm, the cache append) and then the output gate's projection
+  // on the side stream beside the query path (q_a, norm, q_b, absorb); they read x only, and
+  // the attention waits for the append, the un-absorb for the gate.
+  bool mla_kv_beside = true;
 };
 
 // This backbone as one rank of a multi-rank layout (parallel/layout.h; DESIGN.md "Multi-rank"):
@@ -239,7 +249,10 @@ class CudaBackbone final : public StepExecutor {
   // The fused KDA kernel over the step's runs (both paths): inputs in place with row strides.
   void kda_core(int layer, int64_t rows, const __nv_bfloat16* u, const __nv_bfloat16* beta,
                 const __nv_bfloat16* z, const KdaDecodeStrides& strides);
-  void attn_mla(int layer, int64_t rows, const LinearEpilogue& out = {});
+  // The MLA output gate's projection of x ([rows][heads * v_head_dim] bf16), or null.
+  const __nv_bfloat16* gate_projection(const DevMla& m, int64_t rows, cudaStream_t stream);
+  // kv_beside: SpecializedTuning::mla_kv_beside (the specialized path).
+  void attn_mla(int layer, int64_t rows, const LinearEpilogue& out = {}, bool kv_beside = false);
   // Multi-rank pieces (backbone_ranks.cu). A collective on stream_: in a capture, the nodes it
   // adds are remembered so the graph's programmatic edges skip them.
   void collective(const std::function<void()>& run);
@@ -269,8 +282,10 @@ class CudaBackbone final : public StepExecutor {
   void ffn_dense(int layer, int64_t rows);
   void ffn_moe(int layer, int64_t rows);
   // Router + top-k, then the experts' input (latent down or x), width L: both paths.
+  // With `group`, the top-k kernel also groups the pairs (router_topk_grouped).
   const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L,
-                                         cudaStream_t latent_stream);
+                                         cudaStream_t latent_stream,
+                                         const RouterGrouping* group = nullptr);
   void mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out);
   const MlaDecodePlan& mla_plan(int64_t rows);  // for the current batch_invariant()
   const MlaDecodePlan& mla_plan(int64_t rows, bool invariant);
@@ -288,6 +303,7 @@ class CudaBackbone final : public StepExecutor {
   std::map<int64_t, bool> ran_eager_;
   cudaStream_t side_ = nullptr;  // shared experts and L2 prefetch beside the main chain
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  cudaEvent_t kv_ready_ = nullptr;  // MLA beside: the side stream's cache append is done
   // profile_step: stage names and their (timing) events, recorded on stream_ in order.
   struct Marks {
     std::vector<std::string> names;

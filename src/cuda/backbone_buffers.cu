@@ -119,6 +119,8 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   group_offsets = make<int32_t>(E + 1);
   group_rows = make<int32_t>(XR * k);
   group_pos = make<int32_t>(XR * k);
+  route_done = make<int32_t>(1);
+  route_done.fill_bytes(0);  // the counter starts (and every launch leaves it) at zero
   moe_z = make<__nv_bfloat16>(R * L);
   moe_g32 = make<float>(XR * k * inter);
   moe_u32 = make<float>(XR * k * inter);

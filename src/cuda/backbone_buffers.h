@@ -71,6 +71,7 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<int32_t> group_offsets;     // [E + 1] int32
   DeviceBuffer<int32_t> group_rows;        // [xrows * top_k] int32 token row per grouped position
   DeviceBuffer<int32_t> group_pos;         // [xrows * top_k] int32 grouped position of (r, j)
+  DeviceBuffer<int32_t> route_done;        // [1] int32 router_topk_grouped's CTA counter (0)
   DeviceBuffer<__nv_bfloat16> moe_z;       // [rows][L] bf16 latent input
   DeviceBuffer<float> moe_g32, moe_u32;    // [xrows * top_k][inter] fp32 gate / up outputs
   DeviceBuffer<__nv_bfloat16> moe_h;       // [xrows * top_k][inter] bf16 activation

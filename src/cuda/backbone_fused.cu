@@ -102,7 +102,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
     } else if (L.kind == LayerKind::KDA) {
       attn_kda(l, R);
     } else {
-      attn_mla(l, R, residual);
+      attn_mla(l, R, residual, opt_.tuning.mla_kv_beside);
     }
     tap(l, "attn", R);
     if (!fold || (L.kind == LayerKind::KDA && L.kda.in_proj.empty())) attn_residual(restart, R);
@@ -200,11 +200,21 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   if (beside || shared) fork_side();  // (every fork is joined before the layer ends)
   if (!beside) shared_experts();      // from the start, beside router, latent and experts
   int64_t L = 0;
-  // beside: the latent down-projection on the side stream next to the router GEMM and top-k
-  // (both read x only), the shared experts after it there.
-  const __nv_bfloat16* z = route_and_project(m, R, L, beside ? side_ : stream_);
   // Under EP the expert rows are every rank's, gathered once z is ready.
   const bool ep = opt_.ranks.ep();
+  // The grouping in the top-k kernel where the ids are this step's own.
+  RouterGrouping grouping;
+  grouping.local = m.local;
+  grouping.slot_expert = b.group_expert.data();
+  grouping.slot_offsets = b.group_offsets.data();
+  grouping.row_index = b.group_rows.data();
+  grouping.position = b.group_pos.data();
+  grouping.done = b.route_done.data();
+  const bool grouped = opt_.tuning.group_in_router && !ep && R * k <= kMaxRouterGroupedPairs;
+  // beside: the latent down-projection on the side stream next to the router GEMM and top-k
+  // (both read x only), the shared experts after it there.
+  const __nv_bfloat16* z =
+      route_and_project(m, R, L, beside ? side_ : stream_, grouped ? &grouping : nullptr);
   if (beside && ep) {
     join_side();  // z is ready
     shared_experts();
@@ -215,8 +225,9 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   const int n = static_cast<int>(XR * k);
   // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.
   const int slots = std::min(m.local.count, n);
-  moe_group_by_expert_compact(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
-                              b.group_rows.data(), b.group_pos.data(), stream_);
+  if (!grouped)
+    moe_group_by_expert_compact(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
+                                b.group_rows.data(), b.group_pos.data(), stream_);
   if (beside && !ep) {
     join_side();  // z is ready
     shared_experts();

@@ -145,7 +145,16 @@ void CudaBackbone::kda_core(int l, int64_t R, const __nv_bfloat16* u, const __nv
                     stream_, strides, snap);
 }
 
-void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
+const __nv_bfloat16* CudaBackbone::gate_projection(const DevMla& m, int64_t R,
+                                                   cudaStream_t stream) {
+  if (m.g_proj.empty()) return nullptr;
+  Buffers& b = *buf_;
+  linear(m.g_proj, b.x.data(), cfg_.hidden_size, R, b.mla_gate.data(),
+         static_cast<int64_t>(cfg_.num_attention_heads) * cfg_.v_head_dim, false, stream);
+  return b.mla_gate.data();
+}
+
+void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out, bool kv_beside) {
   Buffers& b = *buf_;
   const DevMla& m = weights_->layers[static_cast<size_t>(l)].mla;
   const int64_t H = cfg_.hidden_size;
@@ -155,6 +164,9 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   constexpr float kLatentEps = ModelConfig::kMlaLatentNormEps;
 
   mark("mla_proj");
+  // kv_beside: the kv path and the gate projection on the side stream (x is read-only here).
+  const cudaStream_t kv_stream = kv_beside ? side_ : stream_;
+  if (kv_beside) fork_side();
   // Queries: q LoRA (normed latent) or a plain q_proj.
   if (!m.q_a.empty()) {
     const int64_t ql = m.q_a.rows;
@@ -165,8 +177,8 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
     linear(m.q_proj, b.x.data(), H, R, b.mla_q.data(), qw, false, stream_);
   }
   // This token's cache entry: normed c then raw k_pe, appended at the row's position.
-  linear(m.kv_a, b.x.data(), H, R, b.mla_kv.data(), kvw, false, stream_);
-  rms_norm(b.mla_kv.data(), kvw, m.kv_a_norm, R, kvl, kLatentEps, b.mla_kv.data(), kvw, stream_);
+  linear(m.kv_a, b.x.data(), H, R, b.mla_kv.data(), kvw, false, kv_stream);
+  rms_norm(b.mla_kv.data(), kvw, m.kv_a_norm, R, kvl, kLatentEps, b.mla_kv.data(), kvw, kv_stream);
   // DCP: the entry goes to its token's rank at the local index (-1 elsewhere: skipped), and
   // this rank's lengths count the tokens it holds.
   const bool dcp = opt_.ranks.dcp();
@@ -175,16 +187,21 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   if (pool_->latent_format() == cpu::LatentFormat::BF16) {
     mla_cache_append(b.mla_kv.data(), R, static_cast<int>(kvw), b.row_table.data(),
                      pool_->pages_per_slot(), cache_pos, pool_->page_size(), pool_->latent(l),
-                     stream_);
+                     kv_stream);
   } else {
     // Packed kv_cache_dtype: append in the format, then dequantize the rows' contexts into the
     // shared bf16 scratch the attention kernel reads (plain path: 2 extra passes over the cache).
     latent_cache_append(pool_->latent_format(), b.mla_kv.data(), R, kvl, rope, b.row_table.data(),
                         pool_->pages_per_slot(), cache_pos, pool_->page_size(),
-                        pool_->latent_packed(l), stream_);
+                        pool_->latent_packed(l), kv_stream);
     latent_cache_to_bf16(pool_->latent_format(), pool_->latent_packed(l), kvl, rope,
                          b.row_table.data(), pool_->pages_per_slot(), cache_len, R,
-                         pool_->page_size(), pool_->latent(l), stream_);
+                         pool_->page_size(), pool_->latent(l), kv_stream);
+  }
+  const __nv_bfloat16* gate = nullptr;
+  if (kv_beside) {
+    K3_CUDA_CHECK(cudaEventRecord(kv_ready_, side_));
+    gate = gate_projection(m, R, side_);  // beside the query path and the attention
   }
 
   mark("mla_core");
@@ -198,18 +215,17 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out) {
   mla_absorb_q(b.mla_q.data(), m.kv_b.bf16(), R, nh, nope, rope, vd, kvl, b.mla_q_abs.data(),
                b.mla_q_pe.data(), stream_);
   const float scale = 1.0f / std::sqrt(static_cast<float>(nope + rope));
+  if (kv_beside) K3_CUDA_CHECK(cudaStreamWaitEvent(stream_, kv_ready_, 0));  // the cache entry
   if (dcp)
     mla_attend_dcp(l, R, scale);
   else
     mla_decode(mla_plan(R), b.mla_q_abs.data(), b.mla_q_pe.data(), pool_->latent(l),
                b.row_table.data(), b.row_seq.data(), selected, n_selected, scale, b.mla_ws.data(),
                b.mla_o_lat.data(), /*o_bf16=*/false, stream_);
-  const __nv_bfloat16* gate = nullptr;
-  if (!m.g_proj.empty()) {
-    linear(m.g_proj, b.x.data(), H, R, b.mla_gate.data(), static_cast<int64_t>(nh) * vd, false,
-           stream_);
-    gate = b.mla_gate.data();
-  }
+  if (kv_beside)
+    join_side();  // the gate
+  else
+    gate = gate_projection(m, R, stream_);
   mla_unabsorb_v(b.mla_o_lat.data(), m.kv_b.bf16(), gate, R, nh, nope, vd, kvl, b.mla_o.data(),
                  stream_);
   mark("attn_o_proj");
@@ -232,7 +248,8 @@ void CudaBackbone::ffn_dense(int l, int64_t R) {
 // the latent down-projection (K3, width L = its rows) or x itself (Kimi-Linear, L = hidden),
 // enqueued on latent_stream (stream_, or a side stream the caller forked and joins).
 const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R, int64_t& L,
-                                                     cudaStream_t latent_stream) {
+                                                     cudaStream_t latent_stream,
+                                                     const RouterGrouping* group) {
   Buffers& b = *buf_;
   const int64_t H = cfg_.hidden_size, E = m.gate.rows;
   mark("moe_router");
@@ -243,8 +260,12 @@ const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R,
   rp.num_expert_group = cfg_.num_expert_group;
   rp.renormalize = cfg_.moe_renormalize;
   rp.routed_scaling_factor = cfg_.routed_scaling_factor;
-  router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
-              stream_);
+  if (group)
+    router_topk_grouped(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(),
+                        b.expert_w.data(), *group, stream_);
+  else
+    router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
+                stream_);
   if (m.latent_down.empty()) {
     L = H;
     return b.x.data();

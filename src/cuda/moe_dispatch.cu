@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/moe_group.cuh"
 #include "cuda/pdl.cuh"
 
 namespace k3::cuda {
@@ -16,56 +17,9 @@ __global__ void __launch_bounds__(kThreads)
                  int32_t* __restrict__ slot_expert, int32_t* __restrict__ slot_offsets,
                  int32_t* __restrict__ row_index, int32_t* __restrict__ position, bool compact) {
   K3_PDL_ENTRY();
-  __shared__ int count[kMaxExperts + 1];
-  __shared__ int id_of[kMaxPairs];
-  __shared__ int n_active;
-  for (int e = threadIdx.x; e <= E; e += kThreads) count[e] = 0;
-  __syncthreads();
-  for (int p = threadIdx.x; p < n; p += kThreads) {
-    const int e = ids[p] - first;  // local id; outside [0, E): another rank's expert
-    const bool local = e >= 0 && e < E;
-    id_of[p] = local ? e : -1;
-    if (local) atomicAdd(&count[e], 1);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive prefix over <= 1024 experts: cheap next to the GEMMs
-    int run = 0, active = 0;
-    for (int e = 0; e < E; ++e) {
-      const int c = count[e];
-      if (!compact) {
-        slot_offsets[e] = run;
-        slot_expert[e] = c > 0 ? e : -1;
-      } else if (c > 0) {  // slot = rank of e among the active experts
-        slot_offsets[active] = run;
-        slot_expert[active] = e;
-        ++active;
-      }
-      count[e] = run;
-      run += c;
-    }
-    slot_offsets[E] = run;
-    n_active = active;
-    count[E] = run;
-  }
-  __syncthreads();
-  if (compact)  // the unused tail: empty slots at the end of the pairs
-    for (int sl = n_active + threadIdx.x; sl < E; sl += kThreads) {
-      slot_expert[sl] = -1;
-      slot_offsets[sl] = count[E];
-    }
-  // Rank of pair p among the earlier pairs of its expert: stable, so the order is deterministic.
-  for (int p = threadIdx.x; p < n; p += kThreads) {
-    const int e = id_of[p];
-    if (e < 0) {
-      position[p] = -1;
-      continue;
-    }
-    int rank = 0;
-    for (int q = 0; q < p; ++q) rank += id_of[q] == e;
-    const int pos = count[e] + rank;
-    position[p] = pos;
-    row_index[pos] = p / top_k;
-  }
+  __shared__ detail::GroupScratch<kMaxExperts, kMaxPairs> sm;
+  detail::group_pairs(sm, ids, n, top_k, first, E, slot_expert, slot_offsets, row_index, position,
+                      compact);
 }
 
 void launch_group(const int32_t* ids, int64_t rows, int top_k, LocalExperts local,

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/moe_group.cuh"
 #include "cuda/pdl.cuh"
 
 namespace k3::cuda {
@@ -80,7 +81,7 @@ __device__ __forceinline__ void warp_topk(float (&v)[N], int (&id)[N], int top_k
 __global__ void __launch_bounds__(kThreads)
     router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E,
                   int top_k, bool renormalize, float scaling, int32_t* __restrict__ ids,
-                  float* __restrict__ weights) {
+                  float* __restrict__ weights, const RouterGrouping g) {
   K3_PDL_ENTRY();
   // logits [rows][E]; bias [E] or null; ids / weights [rows][top_k]; one CTA per row.
   __shared__ float cand_v[kWarps * kMaxTopK];
@@ -103,32 +104,48 @@ __global__ void __launch_bounds__(kThreads)
     cand_i[w * top_k + k] = i;
   });
   __syncthreads();
-  if (w != 0) return;
 
-  // Phase 2: warp 0 over the 8 x top_k candidates.
-  float cv[kCandPerLane];
-  int ci[kCandPerLane];
-  const int n_cand = kWarps * top_k;
+  if (w == 0) {  // Phase 2: warp 0 over the 8 x top_k candidates.
+    float cv[kCandPerLane];
+    int ci[kCandPerLane];
+    const int n_cand = kWarps * top_k;
 #pragma unroll
-  for (int j = 0; j < kCandPerLane; ++j) {
-    const int c = j * 32 + lane;
-    cv[j] = c < n_cand ? cand_v[c] : -INFINITY;
-    ci[j] = c < n_cand ? cand_i[c] : kNone;
+    for (int j = 0; j < kCandPerLane; ++j) {
+      const int c = j * 32 + lane;
+      cv[j] = c < n_cand ? cand_v[c] : -INFINITY;
+      ci[j] = c < n_cand ? cand_i[c] : kNone;
+    }
+    __shared__ int pick_s[kMaxTopK];
+    warp_topk(cv, ci, top_k, lane, [&](int k, float, int i) { pick_s[k] = i; });
+    __syncwarp();
+    const int my_id = lane < top_k ? pick_s[lane] : 0;
+    // The weight uses s without the bias (one load per pick, all lanes at once).
+    const float my_s = lane < top_k ? sigmoid_ref(lg[my_id]) : 0.0f;
+    // Sum in pick order, as cpu::route does, so the fp32 rounding matches.
+    float sum = 0.0f;
+    for (int k = 0; k < top_k; ++k) sum += __shfl_sync(0xffffffffu, my_s, k);
+    const float norm = renormalize ? 1.0f / (sum + 1e-20f) : 1.0f;
+    if (lane < top_k) {
+      ids[row * top_k + lane] = my_id;
+      weights[row * top_k + lane] = my_s * norm * scaling;
+    }
   }
-  __shared__ int pick_s[kMaxTopK];
-  warp_topk(cv, ci, top_k, lane, [&](int k, float, int i) { pick_s[k] = i; });
-  __syncwarp();
-  const int my_id = lane < top_k ? pick_s[lane] : 0;
-  // The weight uses s without the bias (one load per pick, all lanes at once).
-  const float my_s = lane < top_k ? sigmoid_ref(lg[my_id]) : 0.0f;
-  // Sum in pick order, as cpu::route does, so the fp32 rounding matches.
-  float sum = 0.0f;
-  for (int k = 0; k < top_k; ++k) sum += __shfl_sync(0xffffffffu, my_s, k);
-  const float norm = renormalize ? 1.0f / (sum + 1e-20f) : 1.0f;
-  if (lane < top_k) {
-    ids[row * top_k + lane] = my_id;
-    weights[row * top_k + lane] = my_s * norm * scaling;
-  }
+  if (!g.done) return;
+
+  // Fused grouping: the last CTA to count itself in groups every row's pairs (the fence makes
+  // this CTA's ids visible before its count; the last one reads all of them through L2).
+  __shared__ detail::GroupScratch<kMaxExperts, kMaxRouterGroupedPairs> sm;
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(g.done, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  detail::group_pairs(sm, ids, static_cast<int>(gridDim.x) * top_k, top_k, g.local.begin,
+                      g.local.count, g.slot_expert, g.slot_offsets, g.row_index, g.position,
+                      /*compact=*/true);
+  if (threadIdx.x == 0) *g.done = 0;  // ready for the next launch (graph replays included)
 }
 
 }  // namespace
@@ -150,7 +167,26 @@ void router_topk(const RouterPlan& p, const float* logits, const float* bias, in
   if (rows == 0) return;
   K3_CHECK(rows <= 0x7fffffff, "cuda::router_topk: too many rows ", rows);
   router_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
-      logits, bias, p.num_experts, p.top_k, p.renormalize, p.routed_scaling_factor, ids, weights);
+      logits, bias, p.num_experts, p.top_k, p.renormalize, p.routed_scaling_factor, ids, weights,
+      RouterGrouping{});
+  K3_CUDA_CHECK_LAUNCH();
+}
+
+void router_topk_grouped(const RouterPlan& p, const float* logits, const float* bias, int64_t rows,
+                         int32_t* ids, float* weights, const RouterGrouping& g,
+                         cudaStream_t stream) {
+  check_router_plan(p);
+  K3_CHECK(rows >= 1 && rows * p.top_k <= kMaxRouterGroupedPairs,
+           "cuda::router_topk_grouped: ", rows, " rows x top_k ", p.top_k, " outside [1, ",
+           kMaxRouterGroupedPairs, "] pairs");
+  K3_CHECK(g.local.count >= 1 && g.local.count <= kMaxExperts && g.local.begin >= 0,
+           "cuda::router_topk_grouped: local experts [", g.local.begin, ", ",
+           g.local.begin + g.local.count, ")");
+  K3_CHECK(g.slot_expert && g.slot_offsets && g.row_index && g.position && g.done,
+           "cuda::router_topk_grouped: null grouping output");
+  router_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      logits, bias, p.num_experts, p.top_k, p.renormalize, p.routed_scaling_factor, ids, weights,
+      g);
   K3_CUDA_CHECK_LAUNCH();
 }
 

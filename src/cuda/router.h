@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cuda/moe_dispatch.h"
+
 namespace k3::cuda {
 
 struct RouterPlan {
@@ -29,5 +31,24 @@ void check_router_plan(const RouterPlan& p);
 // Non-finite logits are not checked here (cpu::route raises on them).
 void router_topk(const RouterPlan& plan, const float* logits, const float* bias, int64_t rows,
                  int32_t* ids, float* weights, cudaStream_t stream);
+
+// The same top-k with the compact expert grouping of its ids (moe_group_by_expert_compact over
+// all rows) in the same launch: the last CTA to finish its row groups every row's pairs, which
+// saves the grouping kernel's launch on the decode step's critical path. Same outputs, bit for
+// bit, as router_topk then moe_group_by_expert_compact. done: [1] int32 device counter, zero
+// before the first launch and left zero by every launch (so graph replays reuse it); one launch
+// at a time per counter. rows * top_k <= kMaxRouterGroupedPairs.
+constexpr int kMaxRouterGroupedPairs = 512;
+struct RouterGrouping {
+  LocalExperts local;
+  int32_t* slot_expert = nullptr;   // [local.count] int32
+  int32_t* slot_offsets = nullptr;  // [local.count + 1] int32
+  int32_t* row_index = nullptr;     // [rows * top_k] int32
+  int32_t* position = nullptr;      // [rows * top_k] int32
+  int32_t* done = nullptr;          // [1] int32 CTA counter (device)
+};
+void router_topk_grouped(const RouterPlan& plan, const float* logits, const float* bias,
+                         int64_t rows, int32_t* ids, float* weights, const RouterGrouping& g,
+                         cudaStream_t stream);
 
 }  // namespace k3::cuda

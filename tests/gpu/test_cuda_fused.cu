@@ -1,7 +1,8 @@
 // Kernels of the specialized decode step against their CPU / host oracles on fresh random inputs
 // (the seed is printed; K3_TEST_SEED replays it): the fused AttnRes mix + RMSNorm, the L2
-// prefetch and the compacted expert grouping. Outputs are poisoned before each launch (NaN for
-// bf16, 0x7f7f7f7f for int32), so every element must be written.
+// prefetch, the compacted expert grouping and the router top-k that groups in its last CTA. Outputs
+// are poisoned before each launch (NaN for bf16, 0x7f7f7f7f for int32), so every element must be
+// written.
 #include <gtest/gtest.h>
 
 #include <cuda_bf16.h>
@@ -24,6 +25,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/l2_prefetch.h"
 #include "cuda/moe_dispatch.h"
+#include "cuda/router.h"
 #include "gpu/gpu_check_util.h"
 #include "test_util.h"
 
@@ -420,6 +422,76 @@ TEST(CudaMoeDispatch, CompactMatchesReference) {
       }
     }
   }
+}
+
+// router_topk_grouped equals router_topk then moe_group_by_expert_compact, every output bit for
+// bit, over repeated launches on one counter (each launch must leave it zero for the next),
+// with fresh logits per launch so a stale grouping cannot pass.
+TEST(CudaMoeDispatch, RouterGroupingEqualsTopkThenGrouping) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int E = 896, top_k = 16;
+  cuda::RouterPlan plan;
+  plan.num_experts = E;
+  plan.top_k = top_k;
+  std::vector<float> bias(static_cast<size_t>(E));
+  for (float& b : bias) b = 0.05f * rng.normal();
+  const auto d_bias = cuda::to_device<float>(bias);
+  DeviceBuffer<int32_t> done(1);
+  done.fill_bytes(0);
+  for (const cuda::LocalExperts local : {cuda::LocalExperts{112, 56}, cuda::LocalExperts{0, E}}) {
+    const size_t LE = static_cast<size_t>(local.count);
+    for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{32}}) {
+      SCOPED_TRACE("local [" + std::to_string(local.begin) + ", +" + std::to_string(local.count) +
+                   ") rows " + std::to_string(rows));
+      const size_t n = static_cast<size_t>(rows * top_k);
+      DeviceBuffer<int32_t> ids0(n), ids1(n), se0(LE), se1(LE), so0(LE + 1), so1(LE + 1), ri0(n),
+          ri1(n), po0(n), po1(n);
+      DeviceBuffer<float> w0(n), w1(n);
+      for (int launch = 0; launch < 3; ++launch) {
+        std::vector<float> logits(static_cast<size_t>(rows) * E);
+        for (float& v : logits) v = 2.0f * rng.normal();
+        const auto d_logits = cuda::to_device<float>(logits);
+        for (auto* b : {&ids0, &ids1, &se0, &se1, &so0, &so1, &ri0, &ri1, &po0, &po1})
+          b->fill_bytes(0x7f);
+        cuda::router_topk(plan, d_logits.data(), d_bias.data(), rows, ids0.data(), w0.data(),
+                          nullptr);
+        cuda::moe_group_by_expert_compact(ids0.data(), rows, top_k, local, se0.data(), so0.data(),
+                                          ri0.data(), po0.data(), nullptr);
+        cuda::RouterGrouping g;
+        g.local = local;
+        g.slot_expert = se1.data();
+        g.slot_offsets = so1.data();
+        g.row_index = ri1.data();
+        g.position = po1.data();
+        g.done = done.data();
+        cuda::router_topk_grouped(plan, d_logits.data(), d_bias.data(), rows, ids1.data(),
+                                  w1.data(), g, nullptr);
+        K3_CUDA_CHECK(cudaDeviceSynchronize());
+        EXPECT_EQ(cuda::to_host<int32_t>(ids1), cuda::to_host<int32_t>(ids0)) << "ids";
+        EXPECT_EQ(cuda::to_host<float>(w1), cuda::to_host<float>(w0)) << "weights";
+        EXPECT_EQ(cuda::to_host<int32_t>(se1), cuda::to_host<int32_t>(se0)) << "slot_expert";
+        const std::vector<int32_t> offsets = cuda::to_host<int32_t>(so0);
+        EXPECT_EQ(cuda::to_host<int32_t>(so1), offsets) << "slot_offsets";
+        EXPECT_EQ(cuda::to_host<int32_t>(po1), cuda::to_host<int32_t>(po0)) << "position";
+        std::vector<int32_t> r0 = cuda::to_host<int32_t>(ri0), r1 = cuda::to_host<int32_t>(ri1);
+        const size_t grouped = static_cast<size_t>(offsets[LE]);  // written positions only
+        r0.resize(grouped);
+        r1.resize(grouped);
+        EXPECT_EQ(r1, r0) << "row_index";
+        EXPECT_EQ(cuda::to_host<int32_t>(done)[0], 0) << "the counter must be left at zero";
+      }
+    }
+  }
+  const cuda::RouterGrouping none;
+  DeviceBuffer<float> logits(static_cast<size_t>(33) * E);
+  DeviceBuffer<int32_t> ids(33 * top_k);
+  DeviceBuffer<float> w(33 * top_k);
+  EXPECT_THROW(cuda::router_topk_grouped(plan, logits.data(), nullptr, 33, ids.data(), w.data(),
+                                         none, nullptr),
+               Error)
+      << "33 x 16 pairs are above the fused grouping's 512";
 }
 
 }  // namespace

@@ -149,6 +149,8 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   t.glu_in_down_proj = !t.glu_in_down_proj;
   t.fold_residual_adds = !t.fold_residual_adds;
   t.fold_moe_residual = !t.fold_moe_residual;
+  t.group_in_router = !t.group_in_router;
+  t.mla_kv_beside = !t.mla_kv_beside;
   t.l2_prefetch_bytes = t.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;
   t.pdl = false;
   for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
