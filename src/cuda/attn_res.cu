@@ -101,9 +101,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   cluster.sync();  // every CTA's part[] is written
   if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
-    float t = 0.0f;
-    for (int q = 0; q < C; ++q) t += cluster.map_shared_rank(part, q)[threadIdx.x];
-    total[threadIdx.x] = t;
+    total[threadIdx.x] = detail::cluster_sum_in_order(cluster, part + threadIdx.x, C);
   }
   cluster.sync();  // remote reads done (no CTA leaves while others read it); total[] visible
 

@@ -107,9 +107,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   cluster.sync();  // every CTA's part[] is written
   if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
-    float t = 0.0f;
-    for (int q = 0; q < C; ++q) t += cluster.map_shared_rank(part, q)[threadIdx.x];
-    total[threadIdx.x] = t;
+    total[threadIdx.x] = detail::cluster_sum_in_order(cluster, part + threadIdx.x, C);
   }
   // total[] visible in this CTA. No CTA exits (or rewrites part[]) before the two cluster
   // syncs of the norm below, so the remote reads above need no cluster barrier of their own.
@@ -175,9 +173,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   cluster.sync();  // every CTA's part_h is written
   if (threadIdx.x == 0) {
-    float t = 0.0f;
-    for (int q = 0; q < C; ++q) t += *cluster.map_shared_rank(&part_h, q);
-    total_h = t;
+    total_h = detail::cluster_sum_in_order(cluster, &part_h, C);
   }
   cluster.sync();  // remote reads done (no CTA leaves while others read it); total_h visible
 

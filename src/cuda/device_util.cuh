@@ -81,4 +81,19 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Sum over cluster ranks 0..C-1 (C <= 8) of the float at `p` in each rank's shared memory, in
+// rank order (the bits of the plain loop), with the remote loads all issued before the adds
+// instead of one distributed-shared-memory round trip per rank.
+template <class Cluster>
+__device__ __forceinline__ float cluster_sum_in_order(Cluster& cluster, float* p, int C) {
+  float v[8];
+#pragma unroll
+  for (int q = 0; q < 8; ++q) v[q] = q < C ? *cluster.map_shared_rank(p, q) : 0.0f;
+  float t = 0.0f;
+#pragma unroll
+  for (int q = 0; q < 8; ++q)
+    if (q < C) t += v[q];
+  return t;
+}
+
 }  // namespace k3::cuda::detail

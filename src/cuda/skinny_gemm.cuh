@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "cuda/device_util.cuh"
 #include "cuda/glu_math.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/pdl.cuh"
@@ -221,9 +222,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
   const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
   for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
-    float t = 0.0f;
-    for (int q = 0; q < a.ck; ++q) t += cluster.map_shared_rank(red, q)[idx];
-    store(idx, t);
+    store(idx, cluster_sum_in_order(cluster, red + idx, a.ck));
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
