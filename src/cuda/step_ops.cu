@@ -128,8 +128,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                        __nv_bfloat16* __restrict__ out) {
   K3_PDL_ENTRY();
   // y [rows * top_k][width]; weights [rows][top_k]; norm_w [width] or null; out [rows][width].
-  // One CTA per row, 8 columns per thread; with a norm the second pass recomputes the same
-  // sums (the expert outputs are L2-resident) after the sum of squares.
+  // One CTA per row, 8 columns per thread; with a norm, rows wider than one pass recompute the
+  // same sums (the expert outputs are L2-resident) after the sum of squares.
   __shared__ float scratch[33];
   __shared__ float w_s[kCombineMaxK];
   __shared__ int32_t rows_s[kCombineMaxK];
@@ -140,12 +140,22 @@ __global__ void __launch_bounds__(kCombineThreads)
     rows_s[threadIdx.x] = y_pos ? y_pos[s] : static_cast<int32_t>(s);
   }
   __syncthreads();
+  // One pass (K3's latent 3584 = 448 vectors): each thread's only vector stays in registers
+  // between the sum of squares and the store, instead of being combined again.
+  const bool one_pass = width <= kCombineThreads * 8;
+  float kept[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  if (one_pass && threadIdx.x * 8 < width)
+    combine8(y, rows_s, w_s, top_k, width, threadIdx.x * 8, vec, kept);
   float inv = 1.0f;
   if (norm_w) {
     float ss = 0.0f;
     for (int64_t c = threadIdx.x * 8; c < width; c += kCombineThreads * 8) {
       float a[8];
-      combine8(y, rows_s, w_s, top_k, width, c, vec, a);
+      if (one_pass)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = kept[e];
+      else
+        combine8(y, rows_s, w_s, top_k, width, c, vec, a);
 #pragma unroll
       for (int e = 0; e < 8; ++e) ss += a[e] * a[e];  // columns past width are 0
     }
@@ -154,7 +164,11 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   for (int64_t c = threadIdx.x * 8; c < width; c += kCombineThreads * 8) {
     float a[8];
-    combine8(y, rows_s, w_s, top_k, width, c, vec, a);
+    if (one_pass)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a[e] = kept[e];
+    else
+      combine8(y, rows_s, w_s, top_k, width, c, vec, a);
     const int nv = static_cast<int>(width - c < 8 ? width - c : 8);
     if (norm_w) {
       float nw[8];
@@ -264,8 +278,8 @@ void add_bf16_residual(const __nv_bfloat16* a, const __nv_bfloat16* b, int64_t n
   K3_CHECK(n >= 0, "cuda::add_bf16_residual: n ", n);
   if (n == 0) return;
   const bool vec = aligned16(a) && aligned16(b) && aligned16(sum) && aligned16(res);
-  add_residual_kernel<<<blocks_for(n, kRowThreads * 8), kRowThreads, 0, stream>>>(a, b, n, sum,
-                                                                                  res, vec);
+  add_residual_kernel<<<blocks_for(n, kRowThreads * 8), kRowThreads, 0, stream>>>(a, b, n, sum, res,
+                                                                                  vec);
   K3_CUDA_CHECK_LAUNCH();
 }
 
