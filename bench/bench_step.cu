@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -302,6 +303,83 @@ void print_verify(const VerifyResult& v) {
       v.prefill_tokens * rows[0].stock);
 }
 
+// The specialized path with one SpecializedTuning choice flipped at a time. The GPU drifts by
+// a few percent over a run, so each flip is timed between two timings of the defaults and judged
+// against their mean; then every flip that gained over 1% is timed combined, interleaved with
+// the defaults again.
+void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t ctx,
+                       double floor_ms, const std::vector<int32_t>& slots,
+                       const std::vector<int32_t>& toks, cuda::DeviceBuffer<uint8_t>& flush) {
+  using Tuning = cuda::SpecializedTuning;
+  const Tuning def;
+  struct Flip {
+    std::string what;
+    std::function<void(Tuning&)> apply;
+  };
+  const auto named = [](bool on, const char* off_text, const char* on_text) {
+    return std::string(on ? off_text : on_text);
+  };
+  const std::vector<Flip> flips = {
+      {"PDL edges off", [](Tuning& t) { t.pdl = false; }},
+      {def.l2_prefetch_bytes > 0 ? "L2 prefetch off" : "L2 prefetch on, 24 MB",
+       [&](Tuning& t) {
+         t.l2_prefetch_bytes = def.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;
+       }},
+      {named(def.latent_beside_router, "latent down after the router",
+             "latent down beside the router"),
+       [&](Tuning& t) { t.latent_beside_router = !def.latent_beside_router; }},
+      {named(def.glu_in_down_proj, "GLU as its own kernel", "GLU in the down-proj"),
+       [&](Tuning& t) { t.glu_in_down_proj = !def.glu_in_down_proj; }},
+      {named(def.fold_residual_adds, "attention residual as a kernel",
+             "attention residual in the o-proj store"),
+       [&](Tuning& t) { t.fold_residual_adds = !def.fold_residual_adds; }},
+      {named(def.fold_moe_residual, "MoE residual adds as kernels",
+             "MoE residual adds in the latent-up store"),
+       [&](Tuning& t) { t.fold_moe_residual = !def.fold_moe_residual; }},
+      {named(def.group_in_router, "expert grouping as its own kernel",
+             "expert grouping in the router kernel"),
+       [&](Tuning& t) { t.group_in_router = !def.group_in_router; }},
+      {named(def.mla_kv_beside, "MLA kv path after the query path",
+             "MLA kv path beside the query path"),
+       [&](Tuning& t) { t.mla_kv_beside = !def.mla_kv_beside; }},
+  };
+  const auto timed = [&](const Tuning& t) {
+    bb.set_specialized_tuning(t);
+    for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+    return time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
+  };
+  const auto print = [&](double ms, double base, const std::string& what) {
+    std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%%  %+6.1f%% vs %.3f (%s)\n", "spec-tuning",
+                rows, static_cast<long long>(ctx), ms, floor_ms, 100.0 * floor_ms / ms,
+                100.0 * (ms / base - 1.0), base, what.c_str());
+  };
+
+  Tuning combined = def;
+  std::string won;
+  double before = timed(def);
+  for (const Flip& f : flips) {
+    Tuning t = def;
+    f.apply(t);
+    const double ms = timed(t), after = timed(def);
+    const double base = 0.5 * (before + after);
+    print(ms, base, f.what);
+    if (ms < 0.99 * base) {
+      f.apply(combined);
+      won += (won.empty() ? "" : " + ") + f.what;
+    }
+    before = after;
+  }
+  if (!won.empty()) {
+    std::vector<double> d = {before}, c;
+    for (int i = 0; i < 2; ++i) {
+      c.push_back(timed(combined));
+      d.push_back(timed(def));
+    }
+    print(median_ms(c), median_ms(d), "combined: " + won);
+  }
+  bb.set_specialized_tuning(def);
+}
+
 int run(const Args& a) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -434,46 +512,8 @@ int run(const Args& a) {
         }
       }
       if (want_spec && want_stock) row.rel = paths_rel_l2(bb, rows, ctx, V, slots, toks);
-      if (want_spec && a.tuning && rows == a.batches.front()) {
-        // The specialized path with one choice flipped at a time against the default.
-        const cuda::SpecializedTuning def;
-        struct Flip {
-          const char* what;
-          cuda::SpecializedTuning t;
-        };
-        std::vector<Flip> flips(8, Flip{"", def});
-        flips[0].what = "PDL edges off";
-        flips[0].t.pdl = false;
-        flips[1].what = def.l2_prefetch_bytes > 0 ? "L2 prefetch off" : "L2 prefetch on, 24 MB";
-        flips[1].t.l2_prefetch_bytes = def.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;
-        flips[2].what = def.latent_beside_router ? "latent down after the router"
-                                                 : "latent down beside the router";
-        flips[2].t.latent_beside_router = !def.latent_beside_router;
-        flips[3].what = def.glu_in_down_proj ? "GLU as its own kernel" : "GLU in the down-proj";
-        flips[3].t.glu_in_down_proj = !def.glu_in_down_proj;
-        flips[4].what = def.fold_residual_adds ? "attention residual as a kernel"
-                                               : "attention residual in the o-proj store";
-        flips[4].t.fold_residual_adds = !def.fold_residual_adds;
-        flips[5].what = def.fold_moe_residual ? "MoE residual adds as kernels"
-                                              : "MoE residual adds in the latent-up store";
-        flips[5].t.fold_moe_residual = !def.fold_moe_residual;
-        flips[6].what = def.group_in_router ? "expert grouping as its own kernel"
-                                            : "expert grouping in the router kernel";
-        flips[6].t.group_in_router = !def.group_in_router;
-        flips[7].what = def.mla_kv_beside ? "MLA kv path after the query path"
-                                          : "MLA kv path beside the query path";
-        flips[7].t.mla_kv_beside = !def.mla_kv_beside;
-        for (const Flip& f : flips) {
-          bb.set_specialized_tuning(f.t);
-          for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
-          const double med =
-              time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
-          std::printf("%-12s %6d %8lld %10.3f %10.3f %7.1f%%            (%s)\n", "spec-tuning",
-                      rows, static_cast<long long>(ctx), med, row.floor_ms,
-                      100.0 * row.floor_ms / med, f.what);
-        }
-        bb.set_specialized_tuning(def);
-      }
+      if (want_spec && a.tuning && rows == a.batches.front())
+        time_tuning_flips(bb, a, rows, ctx, row.floor_ms, slots, toks, flush);
       table.push_back(row);
     }
   }
