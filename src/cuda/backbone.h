@@ -51,6 +51,9 @@ struct SpecializedTuning {
   // 0: off. Within run-to-run noise: +5% (run 12), -3.6% (run 11), +2.4% (run 12 of the third
   // stop, against it on) at batch 1, so it stays off.
   size_t l2_prefetch_bytes = 0;
+  // Bytes of the latent up-projection read into L2 on the side stream after the shared experts,
+  // beside the latency-bound routed experts (l2_prefetch by loads); 0: off.
+  size_t l2_warm_latent_up_bytes = 0;
   // The latent down-projection on the side stream beside the router GEMM and top-k (the shared
   // experts then follow it there) instead of after them on the main stream. On: -1.1% / -1.8%
   // at batch 1, 1k, in two runs (one earlier run saw no gain).

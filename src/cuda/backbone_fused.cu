@@ -195,6 +195,17 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     glu(act, b.ffn_gu32.data(), 2 * S, b.ffn_gu32.data() + S, 2 * S, R, S, b.shared_h.data(), S,
         side_);
     linear(m.shared_down, b.shared_h.data(), S, R, shared_out(), H, tp_sums(), side_);
+    // Then the latent up-projection's first bytes into L2, by loads, beside the latency-bound
+    // routed experts (joined with the shared experts before the layer ends).
+    const size_t warm = opt_.tuning.l2_warm_latent_up_bytes;
+    if (warm > 0 && !m.latent_up.empty()) {
+      L2PrefetchList list;
+      list.r[0] = L2Range{m.latent_up.data,
+                          std::min(warm, static_cast<size_t>(m.latent_up.rows * m.latent_up.cols) *
+                                             sizeof(__nv_bfloat16))};
+      list.n = 1;
+      l2_prefetch(list, /*ctas=*/64, side_, /*by_load=*/true);
+    }
   };
   const bool beside = opt_.tuning.latent_beside_router;
   if (beside || shared) fork_side();  // (every fork is joined before the layer ends)

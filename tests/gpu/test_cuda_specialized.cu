@@ -40,9 +40,10 @@ constexpr double kFreeRunGap = 0.1;
 cuda::CudaBackboneOptions spec_options(int rows, bool graphs, std::vector<int> sizes) {
   cuda::CudaBackboneOptions o = options(rows, graphs);
   o.capture_sizes = std::move(sizes);
-  // The L2 prefetch (on by default) reads weights only, so no value may change: the tests run
-  // it (TuningChoicesMatchStockTiny runs without it).
+  // The L2 prefetch and warm-up read weights only, so no value may change: the tests run them
+  // (TuningChoicesMatchStockTiny runs without them).
   o.tuning.l2_prefetch_bytes = cuda::kL2PrefetchTrialBytes;
+  o.tuning.l2_warm_latent_up_bytes = 1u << 20;  // the warm-up by loads, likewise
   return o;
 }
 
@@ -146,6 +147,7 @@ TEST(CudaSpecialized, MatchesStockWithinBf16NoiseFloorTinyK31) {
 TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   cuda::SpecializedTuning t;
   t.latent_beside_router = !t.latent_beside_router;
+  t.l2_warm_latent_up_bytes = t.l2_warm_latent_up_bytes > 0 ? 0 : 1u << 20;
   t.glu_in_down_proj = !t.glu_in_down_proj;
   t.fold_residual_adds = !t.fold_residual_adds;
   t.fold_moe_residual = !t.fold_moe_residual;
