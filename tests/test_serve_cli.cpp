@@ -27,10 +27,9 @@ void expect_refusal(const std::string& args, const std::string& message) {
 }
 
 TEST(ServeCli, RefusesWhatThisBuildCannotServe) {
-  expect_refusal(
-      R"(--speculative-config '{"method": "ngram", "num_speculative_tokens": 2, )"
-      R"("prompt_lookup_min": 3, "prompt_lookup_max": 2}')",
-      "prompt_lookup_min/prompt_lookup_max must satisfy");
+  expect_refusal(R"(--speculative-config '{"method": "ngram", "num_speculative_tokens": 2, )"
+                 R"("prompt_lookup_min": 3, "prompt_lookup_max": 2}')",
+                 "prompt_lookup_min/prompt_lookup_max must satisfy");
   expect_refusal(R"(--additional-config '{"decode_backend": "latency_specialized"}')",
                  "latency_specialized");
   expect_refusal(R"(--additional-config '{"nonsense": 1}')", "nonsense");

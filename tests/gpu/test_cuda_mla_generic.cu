@@ -171,8 +171,9 @@ void check_generic(int kv_lora, int rope, int page, int heads, const std::vector
   for (bool bf16_out : {false, true}) {
     out.fill_bytes(0xff);
     cuda::mla_decode(plan, q_abs.data(), rope > 0 ? q_pe.data() : nullptr, cache.data(), bt.data(),
-                     d_seq.data(), sparse ? d_sel.data() : nullptr, sparse ? d_nsel.data() : nullptr,
-                     static_cast<float>(scale), ws.data(), out.data(), bf16_out, nullptr);
+                     d_seq.data(), sparse ? d_sel.data() : nullptr,
+                     sparse ? d_nsel.data() : nullptr, static_cast<float>(scale), ws.data(),
+                     out.data(), bf16_out, nullptr);
     K3_CUDA_CHECK_LAUNCH();
     K3_CUDA_CHECK(cudaDeviceSynchronize());
     const size_t n = ref.size();
@@ -204,10 +205,10 @@ TEST(CudaMlaGeneric, TinyModelShape) {
 }
 
 TEST(CudaMlaGeneric, OtherShapes) {
-  check_generic(32, 0, 16, 3, kSeqs, false);     // no rope
-  check_generic(8, 1, 7, 2, kSeqs, true);        // smallest latent, odd page size
+  check_generic(32, 0, 16, 3, kSeqs, false);  // no rope
+  check_generic(8, 1, 7, 2, kSeqs, true);     // smallest latent, odd page size
   check_generic(256, 64, 64, 6, kSeqs, false);
-  check_generic(512, 0, 64, 6, kSeqs, true);     // K3 latent without k_pe: generic too
+  check_generic(512, 0, 64, 6, kSeqs, true);      // K3 latent without k_pe: generic too
   check_generic(1024, 128, 64, 5, kSeqs, false);  // the largest supported
 }
 
