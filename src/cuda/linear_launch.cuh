@@ -151,7 +151,7 @@ void launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
 // (fewer bytes in flight, fewer CTAs) is not the best one for a stream from HBM.
 bool linear_tuning_enabled();
 // Evicts L2 by writing twice its size of scratch (allocated once per device, on first use:
-// tuning time, never inside a capture or a decode step).
+// tuning time, never inside a capture or a decode step; where that allocation fails, nothing).
 void flush_l2(cudaStream_t stream);
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked);

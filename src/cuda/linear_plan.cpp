@@ -260,19 +260,26 @@ void flush_l2(cudaStream_t stream) {
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
   K3_CHECK(dev >= 0 && dev < 64, "flush_l2: device ", dev);
+  static std::array<bool, 64> tried{};
   std::pair<void*, size_t> buf;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (!scratch[dev].first) {
+    if (!tried[dev]) {
+      tried[dev] = true;
       int l2 = 0;
       K3_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
       const size_t bytes = 2 * static_cast<size_t>(std::max(l2, 8 << 20));
-      K3_CUDA_CHECK(cudaMalloc(&scratch[dev].first, bytes));
-      scratch[dev].second = bytes;
+      // A device already full (weights and caches first) tunes from a warm L2 instead.
+      if (cudaMalloc(&scratch[dev].first, bytes) == cudaSuccess) {
+        scratch[dev].second = bytes;
+      } else {
+        (void)cudaGetLastError();  // clear the failed allocation's error
+        scratch[dev].first = nullptr;
+      }
     }
     buf = scratch[dev];
   }
-  K3_CUDA_CHECK(cudaMemsetAsync(buf.first, 0x5a, buf.second, stream));
+  if (buf.first) K3_CUDA_CHECK(cudaMemsetAsync(buf.first, 0x5a, buf.second, stream));
 }
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {
