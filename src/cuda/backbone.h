@@ -58,6 +58,9 @@ struct SpecializedTuning {
   // experts then follow it there) instead of after them on the main stream. On: -1.1% / -1.8%
   // at batch 1, 1k, in two runs (one earlier run saw no gain).
   bool latent_beside_router = true;
+  // With latent_beside_router: the router GEMM and top-k on the side stream and the latent down
+  // on the main one instead (the experts' input then leads the main chain; not yet measured).
+  bool router_beside_latent = false;
   // The expert down-projection applies the GLU while staging its input (no GLU launch).
   bool glu_in_down_proj = true;
   // The attention residual add (P += sub, or P = sub at a restart) in the o-projection's store
@@ -288,7 +291,8 @@ class CudaBackbone final : public StepExecutor {
   // With `group`, the top-k kernel also groups the pairs (router_topk_grouped).
   const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L,
                                          cudaStream_t latent_stream,
-                                         const RouterGrouping* group = nullptr);
+                                         const RouterGrouping* group = nullptr,
+                                         cudaStream_t router_stream = nullptr);
   void mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out);
   const MlaDecodePlan& mla_plan(int64_t rows);  // for the current batch_invariant()
   const MlaDecodePlan& mla_plan(int64_t rows, bool invariant);

@@ -224,10 +224,13 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   const bool grouped = opt_.tuning.group_in_router && !ep && R * k <= kMaxRouterGroupedPairs;
   // beside: the latent down-projection on the side stream next to the router GEMM and top-k
   // (both read x only), the shared experts after it there.
-  const __nv_bfloat16* z =
-      route_and_project(m, R, L, beside ? side_ : stream_, grouped ? &grouping : nullptr);
-  if (beside && ep) {
-    join_side();  // z is ready
+  // swap: the router on the side stream instead, the latent down leading the main chain.
+  const bool swap = beside && opt_.tuning.router_beside_latent;
+  const __nv_bfloat16* z = route_and_project(m, R, L, beside && !swap ? side_ : stream_,
+                                             grouped ? &grouping : nullptr, swap ? side_ : stream_);
+  const bool join_now = beside && (ep || swap);  // EP gathers z; swapped, the ids are the side's
+  if (join_now) {
+    join_side();  // z (and the routing) ready
     shared_experts();
   }
   const int32_t* ids = nullptr;
@@ -239,7 +242,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   if (!grouped)
     moe_group_by_expert_compact(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
                                 b.group_rows.data(), b.group_pos.data(), stream_);
-  if (beside && !ep) {
+  if (beside && !join_now) {
     join_side();  // z is ready
     shared_experts();
   }

@@ -246,14 +246,17 @@ void CudaBackbone::ffn_dense(int l, int64_t R) {
 // The MoE's first half, shared by both step paths: the router on the full-width x (fp32
 // logits; the bias only steers the choice) into expert_ids / expert_w, then the expert input:
 // the latent down-projection (K3, width L = its rows) or x itself (Kimi-Linear, L = hidden),
-// enqueued on latent_stream (stream_, or a side stream the caller forked and joins).
+// enqueued on latent_stream (stream_, or a side stream the caller forked and joins); the router
+// on router_stream (null: stream_), likewise.
 const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R, int64_t& L,
                                                      cudaStream_t latent_stream,
-                                                     const RouterGrouping* group) {
+                                                     const RouterGrouping* group,
+                                                     cudaStream_t router_stream) {
   Buffers& b = *buf_;
   const int64_t H = cfg_.hidden_size, E = m.gate.rows;
+  const cudaStream_t rs = router_stream ? router_stream : stream_;
   mark("moe_router");
-  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, stream_);
+  linear(m.gate, b.x.data(), H, R, b.router_logits.data(), E, /*y_fp32=*/true, rs);
   RouterPlan rp;
   rp.num_experts = static_cast<int>(E);
   rp.top_k = cfg_.num_experts_per_token;
@@ -262,10 +265,10 @@ const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R,
   rp.routed_scaling_factor = cfg_.routed_scaling_factor;
   if (group)
     router_topk_grouped(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(),
-                        b.expert_w.data(), *group, stream_);
+                        b.expert_w.data(), *group, rs);
   else
     router_topk(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(), b.expert_w.data(),
-                stream_);
+                rs);
   if (m.latent_down.empty()) {
     L = H;
     return b.x.data();

@@ -155,11 +155,18 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   t.mla_kv_beside = !t.mla_kv_beside;
   t.l2_prefetch_bytes = t.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;
   t.pdl = false;
-  for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
-    const auto d = teacher_forced(
-        preset, [](int) { return StepPath::Specialized; }, &t);
-    expect_within_noise_floor(preset, d);
-  }
+  // The router beside the latent down (meaningful with the latent beside the router, the
+  // default), with the grouping in the router kernel and as its own kernel after the join.
+  cuda::SpecializedTuning swapped;
+  swapped.router_beside_latent = !swapped.router_beside_latent;
+  cuda::SpecializedTuning swapped_ungrouped = swapped;
+  swapped_ungrouped.group_in_router = !swapped_ungrouped.group_in_router;
+  for (const cuda::SpecializedTuning* tuning : {&t, &swapped, &swapped_ungrouped})
+    for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
+      const auto d = teacher_forced(
+          preset, [](int) { return StepPath::Specialized; }, tuning);
+      expect_within_noise_floor(preset, d);
+    }
 }
 
 // One slot alternating the two paths step by step (they share every state tensor) against a
