@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/cluster_launch.cuh"
+#include "cuda/gemv_bf16.h"
 #include "cuda/linear_fallback.cuh"
 #include "cuda/linear_plan.h"
 #include "cuda/skinny_gemm.cuh"
@@ -85,10 +86,11 @@ inline void allow_max_smem(const void* fn) {
 template <class Fmt>
 LinearPlan best_plan(LinearWeight w, int m, int64_t n, int64_t k, int groups, int active = 0) {
   static std::mutex mu;
-  static std::map<std::tuple<int, int, int64_t, int64_t, int, int>, LinearPlan> cache;
+  static std::map<std::tuple<int, int, int64_t, int64_t, int, int, bool>, LinearPlan> cache;
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
-  const auto key = std::make_tuple(dev, m, n, k, groups, active);
+  // Batch invariance changes the candidates (no GEMV plans).
+  const auto key = std::make_tuple(dev, m, n, k, groups, active, batch_invariant());
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find(key);
@@ -119,6 +121,7 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
     linear_fallback_kernel<typename Fmt::Dec><<<grid, 256, 0, stream>>>(a);
     return cudaGetLastError();
   }
+  if (p.gemv()) return launch_gemv_bf16(p, a, stream);
   a.wn = p.wn, a.wk = p.wk, a.ck = p.ck, a.stages = p.stages, a.chunks = p.chunks;
   a.n_slots = p.groups;
   a.x_pitch = p.x_pitch;

@@ -52,6 +52,10 @@ std::string LinearPlan::str() const {
     os << "fallback";
     return os.str();
   }
+  if (gemv()) {
+    os << "gemv ks" << gemv_ks << " rpw" << gemv_rpw << " grid" << grid_x();
+    return os.str();
+  }
   os << "nt" << nt << " mt" << mt << " wn" << wn << " wk" << wk << " ck" << ck << " s" << stages
      << " grid" << grid_x() * slot_ctas() << "x" << threads()
      << (active_groups > 0 && active_groups < groups ? " busy" + std::to_string(active_groups) : "")
@@ -78,8 +82,21 @@ int linear_max_threads(int nt, int mt) {
   return nt * mt >= 8 ? 256 : 512;
 }
 
+int gemv_units_per_lane(int64_t k, int ks) {
+  return static_cast<int>((k / 8 + 32LL * ks - 1) / (32LL * ks));
+}
+
 bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
   if (p.fallback) return true;
+  if (p.gemv()) {
+    if (p.weight != LinearWeight::BF16 || p.m != 1 || p.groups != 1 || p.k % 8 != 0) return false;
+    if (p.gemv_ks != 1 && p.gemv_ks != 2 && p.gemv_ks != 4 && p.gemv_ks != 8) return false;
+    const int j = gemv_units_per_lane(p.k, p.gemv_ks);
+    if (p.gemv_rpw < 1 || j < 1 || j > kGemvMaxUnitsPerLane) return false;
+    p.chunks = 0, p.x_pitch = 0, p.x_bytes = 0;
+    p.smem_bytes = static_cast<size_t>(p.rows_per_cta()) * p.gemv_ks * sizeof(float);
+    return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
+  }
   const int kc = linear_chunk_k(p.weight);
   if (p.threads() > linear_max_threads(p.nt, p.mt) || p.threads() < 64) return false;
   if (p.ck < 1 || p.ck > 8 || p.stages < 2 || p.stages > 7 || p.m > 8 * p.nt) return false;
@@ -159,6 +176,25 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
   return std::max(t_w, t_smem) + waves * kLatencyUs + t_x + t_red;
 }
 
+// GEMV plans: W streamed at the read curve when enough bytes are in flight per SM (each warp's
+// J units of the current and the next row), slowed when the grid leaves SMs idle, plus the x
+// segments every warp re-reads from L2 and a little per k segment (its reduction). Fitted by
+// eye to the prototype's sweep on the H200 (bench/RESULTS.md); the tuner measures anyway.
+double gemv_model_us(const LinearPlan& p, const DeviceLimits& d) {
+  constexpr double kInFlightPerSm = 64.0 * 1024;  // bytes that keep one SM at its share
+  constexpr double kL2Bps = 8e12;
+  const double bytes = linear_weight_bytes(LinearWeight::BF16, p.n, p.k);
+  const double grid = static_cast<double>(p.grid_x());
+  const double active = std::min<double>(d.sms, grid);
+  const double warps_per_sm = std::min(64.0, grid * 8.0 / active);
+  const int j = gemv_units_per_lane(p.k, p.gemv_ks);
+  const double in_flight = warps_per_sm * j * 512.0 * (p.gemv_rpw > 1 ? 2.0 : 1.0);
+  const double bw = h200_read_curve_tbps(bytes) * 1e12 * std::min(1.0, in_flight / kInFlightPerSm) *
+                    active / d.sms;
+  const double t_x = grid * 8.0 * (static_cast<double>(p.k) / p.gemv_ks) * 2.0 / kL2Bps;
+  return (bytes / bw + t_x) * 1e6 + 0.5 + 0.05 * p.gemv_ks;
+}
+
 }  // namespace
 
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
@@ -202,6 +238,26 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
   std::stable_sort(out.begin(), out.end(), [](const LinearPlan& a, const LinearPlan& b) {
     return a.model_us < b.model_us;
   });
+  // One dense bf16 row: the GEMV plans go first, best model first. The prototype sweep measured
+  // the best GEMV ahead of every mma tiling on each one-row shape it timed, which the mma
+  // model does not capture; the tuner times both kinds. Not under batch invariance: the GEMV
+  // sums K in another order than the multi-row tilings.
+  if (w == LinearWeight::BF16 && m == 1 && groups == 1 && !batch_invariant()) {
+    std::vector<LinearPlan> gemv;
+    for (int ks : {1, 2, 4, 8})
+      for (int rpw : {1, 2, 4, 8, 16}) {
+        LinearPlan p;
+        p.weight = w, p.m = m, p.n = n, p.k = k, p.groups = 1;
+        p.gemv_ks = ks, p.gemv_rpw = rpw;
+        if (!finalize_plan(p, d) || p.grid_x() > 0x7fffffff) continue;
+        p.model_us = gemv_model_us(p, d);
+        gemv.push_back(p);
+      }
+    std::stable_sort(gemv.begin(), gemv.end(), [](const LinearPlan& a, const LinearPlan& b) {
+      return a.model_us < b.model_us;
+    });
+    out.insert(out.begin(), gemv.begin(), gemv.end());
+  }
   return out;
 }
 
@@ -242,7 +298,7 @@ void set_linear_tuning(bool on) {
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {
   std::vector<LinearPlan> out;
   for (const LinearPlan& p : c)
-    if (!p.fallback && p.wk == anchor.wk && p.ck == anchor.ck) out.push_back(p);
+    if (!p.fallback && !p.gemv() && p.wk == anchor.wk && p.ck == anchor.ck) out.push_back(p);
   return out;
 }
 
@@ -284,11 +340,17 @@ void flush_l2(cudaStream_t stream) {
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {
   std::vector<LinearPlan> out;
-  const auto have = [&](auto pred) { return std::any_of(out.begin(), out.end(), pred); };
+  // The best six GEMV plans (one-row shapes), then up to 12 tiled ones.
+  for (const LinearPlan& p : ranked)
+    if (p.gemv() && out.size() < 6) out.push_back(p);
+  const size_t n_gemv = out.size();
+  const auto have = [&](auto pred) { return std::any_of(out.begin() + n_gemv, out.end(), pred); };
   for (const LinearPlan& p : ranked) {
-    if (out.size() >= 12) break;
+    if (p.gemv()) continue;
+    if (out.size() - n_gemv >= 12) break;
     if (have([&](const LinearPlan& q) { return q.str() == p.str(); })) continue;
-    const bool novel = out.size() < 6 || !have([&](const LinearPlan& q) { return q.ck == p.ck; }) ||
+    const bool novel = out.size() - n_gemv < 6 ||
+                       !have([&](const LinearPlan& q) { return q.ck == p.ck; }) ||
                        !have([&](const LinearPlan& q) { return q.wk == p.wk; });
     if (novel) out.push_back(p);
   }

@@ -47,6 +47,10 @@ struct LinearPlan {
   int wn = 1, wk = 1;     // warps per CTA along N and K
   int ck = 1;             // CTAs per cluster along K (1..8)
   int stages = 4;         // per-warp cp.async ring depth (2..7)
+  // A GEMV plan instead (bf16, one token row, dense; gemv_bf16.cu): 8 warps per CTA, ks k
+  // segments x (8 / ks) row lanes, each warp streaming rpw rows with its x segment in
+  // registers. 0: a tiled mma plan (the knobs above).
+  int gemv_ks = 0, gemv_rpw = 0;
   // Derived by finalize_plan.
   int chunks = 0;         // k chunks over K
   int x_pitch = 0;        // bytes per staged x row
@@ -54,8 +58,9 @@ struct LinearPlan {
   size_t smem_bytes = 0;  // dynamic shared memory per CTA
   double model_us = 0;    // the planner's cost estimate
 
-  int threads() const { return 32 * wn * wk; }
-  int rows_per_cta() const { return 16 * mt * wn; }
+  bool gemv() const { return gemv_ks > 0; }
+  int threads() const { return gemv() ? 256 : 32 * wn * wk; }
+  int rows_per_cta() const { return gemv() ? 8 / gemv_ks * gemv_rpw : 16 * mt * wn; }
   int64_t row_tiles() const { return (n + rows_per_cta() - 1) / rows_per_cta(); }
   int64_t grid_x() const { return row_tiles() * ck; }
   // Grouped: rows of CTAs along y, each taking its turn over the slots (skinny_gemm.cuh): one
@@ -75,6 +80,9 @@ int linear_chunk_k(LinearWeight w);                                // k per chun
 int linear_stage_bytes(LinearWeight w, int mt);                    // one warp's ring slot
 double linear_weight_bytes(LinearWeight w, int64_t n, int64_t k);  // N*K*2 or N*K/2 + N*K/32
 int linear_max_threads(int nt, int mt);                            // the kernel's __launch_bounds__
+// GEMV: 16-byte units of one row's k segment per lane (K / 8 units over ks segments, 32 lanes).
+int gemv_units_per_lane(int64_t k, int ks);
+constexpr int kGemvMaxUnitsPerLane = 8;  // the kernel's x and W registers (gemv_bf16.cu)
 
 // Fills the derived fields of a plan whose knobs are set; false when it cannot run (shared
 // memory, threads, more k workers than chunks).
@@ -100,8 +108,9 @@ void set_linear_tuning(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
-// Every valid tiled plan for the problem, cheapest model estimate first (empty when only the
-// fallback applies). The best is what the launchers use; the bench times the others.
+// Every valid plan for the problem, cheapest model estimate first (empty when only the fallback
+// applies); for one dense bf16 row (outside batch invariance) the GEMV plans come first. The
+// best is what the launchers use untuned; the tuner and the bench time the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
                                           const DeviceLimits& d, const LinearRegs& regs,
                                           int active_groups = 0);

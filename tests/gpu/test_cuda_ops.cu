@@ -254,6 +254,48 @@ TEST(CudaLinearBf16, EveryKindOfPlan) {
   }
 }
 
+// Every GEMV plan (one row, dense bf16) against the oracle: every k split and rows per warp on
+// the rank's shapes, ragged N (rows past N in the last CTA), K with partial lane units (K / 8
+// not a multiple of 32 * ks), bf16 and fp32 out; and the same launch twice gives the same bits.
+TEST(CudaLinearBf16, EveryGemvPlan) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int64_t shapes[][2] = {{768, 7168}, {7168, 768}, {37, 72}, {257, 1000}, {130, 4104}};
+  for (const auto& s : shapes) {
+    int n_gemv = 0;
+    for (const auto& p : cuda::linear_bf16_candidates(1, s[0], s[1])) {
+      if (!p.gemv()) continue;
+      ++n_gemv;
+      check_bf16_linear(rng, 1, s[0], s[1], (n_gemv % 2) == 0, &p);
+    }
+    EXPECT_GE(n_gemv, 4) << s[0] << "x" << s[1];
+  }
+  // Determinism: two launches of one plan, bit for bit.
+  const int64_t N = 3584, K = 7168;
+  const auto plans = cuda::linear_bf16_candidates(1, N, K);
+  ASSERT_TRUE(!plans.empty() && plans.front().gemv()) << "the model's one-row pick is a GEMV";
+  const Bf16Data x = make_bf16(rng, static_cast<size_t>(K), 1.0f);
+  const Bf16Weight w = make_bf16_weight(rng, N, K);
+  DeviceBuffer<bf16> y1(static_cast<size_t>(N)), y2(static_cast<size_t>(N));
+  cuda::linear_bf16(plans.front(), x.dev.data(), K, w.d.dev.data(), 1, y1.data(), N, false,
+                    nullptr);
+  cuda::linear_bf16(plans.front(), x.dev.data(), K, w.d.dev.data(), 1, y2.data(), N, false,
+                    nullptr);
+  EXPECT_EQ(cuda::to_host<uint16_t>(y1), cuda::to_host<uint16_t>(y2));
+}
+
+// Under batch invariance no GEMV plan is offered (it sums K in another order than the tilings
+// of more rows).
+TEST(CudaLinearBf16, NoGemvUnderBatchInvariance) {
+  const bool was = cuda::batch_invariant();
+  cuda::set_batch_invariant(true);
+  const auto plans = cuda::linear_bf16_candidates(1, 768, 7168);
+  cuda::set_batch_invariant(was);
+  ASSERT_FALSE(plans.empty());
+  for (const auto& p : plans) EXPECT_FALSE(p.gemv()) << p.str();
+}
+
 struct Fp4Weight {
   std::vector<uint8_t> packed, scales;
   DeviceBuffer<uint8_t> dp, ds;

@@ -1,0 +1,142 @@
+// The one-row bf16 GEMV: y[1, N] = x[1, K] . W[N, K]^T with the skinny GEMM's epilogue
+// (skinny_gemm.cuh: store_output). Decode at batch 1 runs every dense projection with one token
+// row, where the tiled mma kernel stages W through shared memory for an mma that is 1/8 used;
+// this kernel streams W straight into registers instead (measured: 3.43 against 2.9 TB/s on a
+// 51 MB matrix, 2.3 against 1.5 TB/s on 11 MB; bench/RESULTS.md).
+//
+// Layout. A CTA is 8 warps: ks k segments x (8 / ks) row lanes. A warp holds its segment of x in
+// registers (J 16-byte units per lane: lane l takes units l, l + 32, ...) and streams rpw rows
+// of W, the next row's loads in flight while the current one is summed. Partial dots meet in
+// fixed order: lanes by an xor tree, then the ks segments in shared memory, so a shape's
+// result does not depend on anything but its inputs and plan.
+#include "cuda/gemv_bf16.h"
+
+#include <cuda_bf16.h>
+
+#include "core/error.h"
+#include "cuda/pdl.cuh"
+#include "cuda/skinny_gemm.cuh"
+
+namespace k3::cuda::detail {
+namespace {
+
+constexpr int kGemvWarps = 8;
+
+// A streamed weight load: read once, kept out of L1.
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
+  const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
+  const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 a = __bfloat1622float2(wp[i]);
+    const float2 b = __bfloat1622float2(xp[i]);
+    acc = fmaf(a.x, b.x, acc);
+    acc = fmaf(a.y, b.y, acc);
+  }
+  return acc;
+}
+
+template <int J>
+__global__ void __launch_bounds__(32 * kGemvWarps)
+    gemv_bf16_kernel(const __grid_constant__ SkinnyArgs a, int ks, int rpw) {
+  pdl_launch_dependents();
+  extern __shared__ float part[];  // [rows_cta][ks] partial dots
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int seg = warp % ks, row_lane = warp / ks, row_lanes = kGemvWarps / ks;
+  const int units = a.k / 8;
+  const int u_lo = static_cast<int>(static_cast<int64_t>(units) * seg / ks);
+  const int u_hi = static_cast<int>(static_cast<int64_t>(units) * (seg + 1) / ks);
+  const int rows_cta = row_lanes * rpw;
+  const int row0 = static_cast<int>(blockIdx.x) * rows_cta;
+  const __nv_bfloat16* W = static_cast<const __nv_bfloat16*>(a.w);  // [N, K] bf16
+
+  uint4 w_cur[J], w_next[J];
+  const auto load_row = [&](uint4(&w)[J], int row) {
+    const bool ok = row < a.n;
+    const uint4* src = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(ok ? row : 0) * a.k);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int u = u_lo + lane + 32 * j;
+      w[j] = ok && u < u_hi ? ldg_stream(src + u) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  int row = row0 + row_lane;  // rows row0 + row_lane + i * row_lanes, i < rpw
+  load_row(w_cur, row);       // the first row's weights stream before x is ready
+  pdl_wait();
+  uint4 xv[J];  // [1, K] bf16: this warp's k segment
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int u = u_lo + lane + 32 * j;
+    xv[j] = u < u_hi ? ldg128(a.x + u * 8) : make_uint4(0, 0, 0, 0);
+  }
+  for (int i = 0; i < rpw; ++i) {
+    if (i + 1 < rpw) load_row(w_next, row + row_lanes);
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) acc = dot8(acc, w_cur[j], xv[j]);
+    acc = warp_sum(acc);
+    if (lane == 0) part[(i * row_lanes + row_lane) * ks + seg] = acc;
+#pragma unroll
+    for (int j = 0; j < J; ++j) w_cur[j] = w_next[j];
+    row += row_lanes;
+  }
+  __syncthreads();
+  for (int r = threadIdx.x; r < rows_cta; r += blockDim.x) {
+    const int out_row = row0 + r;  // part's rows are the CTA's rows in order
+    if (out_row >= a.n) continue;
+    float s = 0.0f;
+    for (int q = 0; q < ks; ++q) s += part[r * ks + q];
+    store_output(a, out_row, s);
+  }
+}
+
+using GemvKernel = void (*)(SkinnyArgs, int, int);
+
+GemvKernel gemv_kernel_for(int j) {
+  switch (j) {
+    case 1:
+      return gemv_bf16_kernel<1>;
+    case 2:
+      return gemv_bf16_kernel<2>;
+    case 3:
+      return gemv_bf16_kernel<3>;
+    case 4:
+      return gemv_bf16_kernel<4>;
+    case 5:
+      return gemv_bf16_kernel<5>;
+    case 6:
+      return gemv_bf16_kernel<6>;
+    case 7:
+      return gemv_bf16_kernel<7>;
+    case 8:
+      return gemv_bf16_kernel<8>;
+    default:
+      break;
+  }
+  fail("GEMV: no kernel for ", j, " units per lane");
+}
+
+}  // namespace
+
+cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& a, cudaStream_t stream) {
+  K3_CHECK(p.gemv() && p.weight == LinearWeight::BF16 && p.groups == 1 && !a.slot_expert &&
+               !a.x_glu && a.m == 1,
+           "GEMV: a one-row dense bf16 launch only (plan ", p.str(), ", m ", a.m, ")");
+  const GemvKernel fn = gemv_kernel_for(gemv_units_per_lane(p.k, p.gemv_ks));
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()));
+  cfg.blockDim = dim3(static_cast<unsigned>(p.threads()));
+  cfg.dynamicSmemBytes = p.smem_bytes;
+  cfg.stream = stream;
+  return cudaLaunchKernelEx(&cfg, fn, a, p.gemv_ks, p.gemv_rpw);
+}
+
+}  // namespace k3::cuda::detail
