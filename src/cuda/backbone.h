@@ -59,7 +59,7 @@ struct SpecializedTuning {
   // at batch 1, 1k, in two runs (one earlier run saw no gain).
   bool latent_beside_router = true;
   // With latent_beside_router: the router GEMM and top-k on the side stream and the latent down
-  // on the main one instead (the experts' input then leads the main chain; not yet measured).
+  // on the main one instead (the experts' input then leads the main chain): +7.5% (run 17).
   bool router_beside_latent = false;
   // The expert down-projection applies the GLU while staging its input (no GLU launch).
   bool glu_in_down_proj = true;
@@ -67,10 +67,11 @@ struct SpecializedTuning {
   // instead of a kernel after it: within noise (-1.8% as a kernel in one run, +2.9% in the
   // next); folded saves a launch per layer.
   bool fold_residual_adds = true;
-  // The shared experts' output and the layer residual added in the latent up-projection's store.
-  // Off: that store must then wait for the side stream (no programmatic edge into it), which
-  // measured 5% slower at batch 1 with the latent down beside the router than two add kernels.
-  bool fold_moe_residual = false;
+  // The shared experts' output and the layer residual added in the latent up-projection's store
+  // (that store then waits for the side stream: no programmatic edge into it). Measured +3.7%
+  // against two add kernels while the latent up ran the tiled GEMM (run 16), -2.6% with the
+  // one-row GEMV (run 17), so on.
+  bool fold_moe_residual = true;
   // The expert grouping in the router top-k kernel's last CTA (router_topk_grouped) instead of
   // a grouping kernel after it: one launch fewer per MoE layer on the critical path (not under
   // EP, whose grouping waits for the gathered ids; up to kMaxRouterGroupedPairs pairs).

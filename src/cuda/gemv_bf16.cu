@@ -1,14 +1,14 @@
-// The one-row bf16 GEMV: y[1, N] = x[1, K] . W[N, K]^T with the skinny GEMM's epilogue
+// The few-row bf16 GEMV: y[m, N] = x[m, K] . W[N, K]^T, m <= 4, with the skinny GEMM's epilogue
 // (skinny_gemm.cuh: store_output). Decode at batch 1 runs every dense projection with one token
 // row, where the tiled mma kernel stages W through shared memory for an mma that is 1/8 used;
 // this kernel streams W straight into registers instead (measured: 3.43 against 2.9 TB/s on a
 // 51 MB matrix, 2.3 against 1.5 TB/s on 11 MB; bench/RESULTS.md).
 //
-// Layout. A CTA is 8 warps: ks k segments x (8 / ks) row lanes. A warp holds its segment of x in
-// registers (J 16-byte units per lane: lane l takes units l, l + 32, ...) and streams rpw rows
-// of W, the next row's loads in flight while the current one is summed. Partial dots meet in
-// fixed order: lanes by an xor tree, then the ks segments in shared memory, so a shape's
-// result does not depend on anything but its inputs and plan.
+// Layout. A CTA is 8 warps: ks k segments x (8 / ks) row lanes. A warp holds its segment of the
+// m x rows in registers (J 16-byte units per lane: lane l takes units l, l + 32, ...) and streams
+// rpw rows of W, the next row's loads in flight while the current one is summed. Partial dots meet
+// in fixed order: lanes by an xor tree, then the ks segments in shared memory, so a shape's result
+// does not depend on anything but its inputs and plan.
 #include "cuda/gemv_bf16.h"
 
 #include <cuda_bf16.h>
@@ -44,11 +44,11 @@ __device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
   return acc;
 }
 
-template <int J>
+template <int M, int J>
 __global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_bf16_kernel(const __grid_constant__ SkinnyArgs a, int ks, int rpw) {
   pdl_launch_dependents();
-  extern __shared__ float part[];  // [rows_cta][ks] partial dots
+  extern __shared__ float part[];  // [rows_cta][ks][M] partial dots
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int seg = warp % ks, row_lane = warp / ks, row_lanes = kGemvWarps / ks;
   const int units = a.k / 8;
@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   const int u_hi = static_cast<int>(static_cast<int64_t>(units) * (seg + 1) / ks);
   const int rows_cta = row_lanes * rpw;
   const int row0 = static_cast<int>(blockIdx.x) * rows_cta;
+  const int mx = min(a.m, M);
   const __nv_bfloat16* W = static_cast<const __nv_bfloat16*>(a.w);  // [N, K] bf16
 
   uint4 w_cur[J], w_next[J];
@@ -71,66 +72,89 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   int row = row0 + row_lane;  // rows row0 + row_lane + i * row_lanes, i < rpw
   load_row(w_cur, row);       // the first row's weights stream before x is ready
   pdl_wait();
-  uint4 xv[J];  // [1, K] bf16: this warp's k segment
+  uint4 xv[M][J];  // [m, K] bf16: this warp's k segment of each token row (zero past m)
 #pragma unroll
-  for (int j = 0; j < J; ++j) {
-    const int u = u_lo + lane + 32 * j;
-    xv[j] = u < u_hi ? ldg128(a.x + u * 8) : make_uint4(0, 0, 0, 0);
-  }
+  for (int t = 0; t < M; ++t)
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int u = u_lo + lane + 32 * j;
+      xv[t][j] = t < mx && u < u_hi ? ldg128(a.x + t * a.ldx + u * 8) : make_uint4(0, 0, 0, 0);
+    }
   for (int i = 0; i < rpw; ++i) {
     if (i + 1 < rpw) load_row(w_next, row + row_lanes);
-    float acc = 0.0f;
+    float acc[M];
 #pragma unroll
-    for (int j = 0; j < J; ++j) acc = dot8(acc, w_cur[j], xv[j]);
-    acc = warp_sum(acc);
-    if (lane == 0) part[(i * row_lanes + row_lane) * ks + seg] = acc;
+    for (int t = 0; t < M; ++t) {
+      acc[t] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < J; ++j) acc[t] = dot8(acc[t], w_cur[j], xv[t][j]);
+      acc[t] = warp_sum(acc[t]);
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < M; ++t) part[((i * row_lanes + row_lane) * ks + seg) * M + t] = acc[t];
+    }
 #pragma unroll
     for (int j = 0; j < J; ++j) w_cur[j] = w_next[j];
     row += row_lanes;
   }
   __syncthreads();
-  for (int r = threadIdx.x; r < rows_cta; r += blockDim.x) {
+  for (int e = threadIdx.x; e < rows_cta * mx; e += blockDim.x) {
+    const int r = e / mx, t = e % mx;
     const int out_row = row0 + r;  // part's rows are the CTA's rows in order
     if (out_row >= a.n) continue;
     float s = 0.0f;
-    for (int q = 0; q < ks; ++q) s += part[r * ks + q];
-    store_output(a, out_row, s);
+    for (int q = 0; q < ks; ++q) s += part[(r * ks + q) * M + t];
+    store_output(a, static_cast<int64_t>(t) * a.ldy + out_row, s);
   }
 }
 
 using GemvKernel = void (*)(SkinnyArgs, int, int);
 
-GemvKernel gemv_kernel_for(int j) {
+template <int M>
+GemvKernel gemv_kernel_for_units(int j) {
   switch (j) {
     case 1:
-      return gemv_bf16_kernel<1>;
+      return gemv_bf16_kernel<M, 1>;
     case 2:
-      return gemv_bf16_kernel<2>;
+      return gemv_bf16_kernel<M, 2>;
     case 3:
-      return gemv_bf16_kernel<3>;
+      return gemv_bf16_kernel<M, 3>;
     case 4:
-      return gemv_bf16_kernel<4>;
+      return gemv_bf16_kernel<M, 4>;
     case 5:
-      return gemv_bf16_kernel<5>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 5>;
+      break;
     case 6:
-      return gemv_bf16_kernel<6>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 6>;
+      break;
     case 7:
-      return gemv_bf16_kernel<7>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 7>;
+      break;
     case 8:
-      return gemv_bf16_kernel<8>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 8>;
+      break;
     default:
       break;
   }
-  fail("GEMV: no kernel for ", j, " units per lane");
+  fail("GEMV: no kernel for ", M, " rows with ", j, " units per lane");
+}
+
+// Instances for m = 1, 2 and 4 rows (3 runs the 4-row one with its last x row zero).
+GemvKernel gemv_kernel_for(int m, int j) {
+  if (m == 1) return gemv_kernel_for_units<1>(j);
+  if (m == 2) return gemv_kernel_for_units<2>(j);
+  return gemv_kernel_for_units<4>(j);
 }
 
 }  // namespace
 
 cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& a, cudaStream_t stream) {
   K3_CHECK(p.gemv() && p.weight == LinearWeight::BF16 && p.groups == 1 && !a.slot_expert &&
-               !a.x_glu && a.m == 1,
-           "GEMV: a one-row dense bf16 launch only (plan ", p.str(), ", m ", a.m, ")");
-  const GemvKernel fn = gemv_kernel_for(gemv_units_per_lane(p.k, p.gemv_ks));
+               !a.x_glu && a.m >= 1 && a.m <= p.m && p.m <= kGemvMaxRows,
+           "GEMV: a dense bf16 launch of 1..", kGemvMaxRows, " rows only (plan ", p.str(), ", m ",
+           a.m, ")");
+  const GemvKernel fn = gemv_kernel_for(p.m, gemv_units_per_lane(p.k, p.gemv_ks));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()));
   cfg.blockDim = dim3(static_cast<unsigned>(p.threads()));

@@ -89,12 +89,16 @@ int gemv_units_per_lane(int64_t k, int ks) {
 bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
   if (p.fallback) return true;
   if (p.gemv()) {
-    if (p.weight != LinearWeight::BF16 || p.m != 1 || p.groups != 1 || p.k % 8 != 0) return false;
+    if (p.weight != LinearWeight::BF16 || p.m < 1 || p.m > kGemvMaxRows || p.groups != 1 ||
+        p.k % 8 != 0)
+      return false;
     if (p.gemv_ks != 1 && p.gemv_ks != 2 && p.gemv_ks != 4 && p.gemv_ks != 8) return false;
     const int j = gemv_units_per_lane(p.k, p.gemv_ks);
-    if (p.gemv_rpw < 1 || j < 1 || j > kGemvMaxUnitsPerLane) return false;
+    if (p.gemv_rpw < 1 || j < 1 || j > gemv_max_units_per_lane(p.m)) return false;
     p.chunks = 0, p.x_pitch = 0, p.x_bytes = 0;
-    p.smem_bytes = static_cast<size_t>(p.rows_per_cta()) * p.gemv_ks * sizeof(float);
+    const int rows_instance = p.m == 3 ? 4 : p.m;  // gemv_bf16.cu's instances: 1, 2, 4
+    p.smem_bytes =
+        static_cast<size_t>(p.rows_per_cta()) * p.gemv_ks * rows_instance * sizeof(float);
     return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
   }
   const int kc = linear_chunk_k(p.weight);
@@ -238,11 +242,12 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
   std::stable_sort(out.begin(), out.end(), [](const LinearPlan& a, const LinearPlan& b) {
     return a.model_us < b.model_us;
   });
-  // One dense bf16 row: the GEMV plans go first, best model first. The prototype sweep measured
-  // the best GEMV ahead of every mma tiling on each one-row shape it timed, which the mma
-  // model does not capture; the tuner times both kinds. Not under batch invariance: the GEMV
-  // sums K in another order than the multi-row tilings.
-  if (w == LinearWeight::BF16 && m == 1 && groups == 1 && !batch_invariant()) {
+  // Dense bf16 launches of 1..4 rows also get GEMV plans, best model first. For one row they go
+  // first: the prototype sweep measured the best GEMV ahead of every mma tiling on each one-row
+  // shape it timed, which the mma model does not capture. With more rows x takes m times the
+  // registers and the tilings go first (the GEMV lost to them at 4 rows); the tuner times both
+  // kinds. Not under batch invariance: the GEMV sums K in another order than the tilings.
+  if (w == LinearWeight::BF16 && m <= kGemvMaxRows && groups == 1 && !batch_invariant()) {
     std::vector<LinearPlan> gemv;
     for (int ks : {1, 2, 4, 8})
       for (int rpw : {1, 2, 4, 8, 16}) {
@@ -256,7 +261,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
     std::stable_sort(gemv.begin(), gemv.end(), [](const LinearPlan& a, const LinearPlan& b) {
       return a.model_us < b.model_us;
     });
-    out.insert(out.begin(), gemv.begin(), gemv.end());
+    out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
   }
   return out;
 }

@@ -47,7 +47,7 @@ struct LinearPlan {
   int wn = 1, wk = 1;     // warps per CTA along N and K
   int ck = 1;             // CTAs per cluster along K (1..8)
   int stages = 4;         // per-warp cp.async ring depth (2..7)
-  // A GEMV plan instead (bf16, one token row, dense; gemv_bf16.cu): 8 warps per CTA, ks k
+  // A GEMV plan instead (bf16, 1..4 token rows, dense; gemv_bf16.cu): 8 warps per CTA, ks k
   // segments x (8 / ks) row lanes, each warp streaming rpw rows with its x segment in
   // registers. 0: a tiled mma plan (the knobs above).
   int gemv_ks = 0, gemv_rpw = 0;
@@ -82,7 +82,11 @@ double linear_weight_bytes(LinearWeight w, int64_t n, int64_t k);  // N*K*2 or N
 int linear_max_threads(int nt, int mt);                            // the kernel's __launch_bounds__
 // GEMV: 16-byte units of one row's k segment per lane (K / 8 units over ks segments, 32 lanes).
 int gemv_units_per_lane(int64_t k, int ks);
-constexpr int kGemvMaxUnitsPerLane = 8;  // the kernel's x and W registers (gemv_bf16.cu)
+constexpr int kGemvMaxRows = 4;  // token rows of one GEMV launch (gemv_bf16.cu)
+// Units per lane the kernel holds in registers for m token rows (x and two rows of W).
+constexpr int gemv_max_units_per_lane(int m) {
+  return m == 1 ? 8 : 4;
+}
 
 // Fills the derived fields of a plan whose knobs are set; false when it cannot run (shared
 // memory, threads, more k workers than chunks).
@@ -109,7 +113,8 @@ void set_linear_tuning(bool on);
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
 // Every valid plan for the problem, cheapest model estimate first (empty when only the fallback
-// applies); for one dense bf16 row (outside batch invariance) the GEMV plans come first. The
+// applies); dense bf16 launches of 1..4 rows (outside batch invariance) also get GEMV plans, first
+// for one row and after the tilings otherwise. The
 // best is what the launchers use untuned; the tuner and the bench time the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
                                           const DeviceLimits& d, const LinearRegs& regs,

@@ -254,23 +254,25 @@ TEST(CudaLinearBf16, EveryKindOfPlan) {
   }
 }
 
-// Every GEMV plan (one row, dense bf16) against the oracle: every k split and rows per warp on
-// the rank's shapes, ragged N (rows past N in the last CTA), K with partial lane units (K / 8
-// not a multiple of 32 * ks), bf16 and fp32 out; and the same launch twice gives the same bits.
+// Every GEMV plan (1..4 rows, dense bf16) against the oracle: every k split and rows per warp
+// on the rank's shapes, ragged N (rows past N in the last CTA), K with partial lane units (K / 8
+// not a multiple of 32 * ks), 3 rows on the 4-row kernel, bf16 and fp32 out; and the same launch
+// twice gives the same bits.
 TEST(CudaLinearBf16, EveryGemvPlan) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const int64_t shapes[][2] = {{768, 7168}, {7168, 768}, {37, 72}, {257, 1000}, {130, 4104}};
-  for (const auto& s : shapes) {
-    int n_gemv = 0;
-    for (const auto& p : cuda::linear_bf16_candidates(1, s[0], s[1])) {
-      if (!p.gemv()) continue;
-      ++n_gemv;
-      check_bf16_linear(rng, 1, s[0], s[1], (n_gemv % 2) == 0, &p);
+  for (const int64_t M : {1, 2, 3, 4})
+    for (const auto& s : shapes) {
+      int n_gemv = 0;
+      for (const auto& p : cuda::linear_bf16_candidates(static_cast<int>(M), s[0], s[1])) {
+        if (!p.gemv()) continue;
+        ++n_gemv;
+        check_bf16_linear(rng, M, s[0], s[1], (n_gemv % 2) == 0, &p);
+      }
+      EXPECT_GE(n_gemv, 4) << "M " << M << " " << s[0] << "x" << s[1];
     }
-    EXPECT_GE(n_gemv, 4) << s[0] << "x" << s[1];
-  }
   // Determinism: two launches of one plan, bit for bit.
   const int64_t N = 3584, K = 7168;
   const auto plans = cuda::linear_bf16_candidates(1, N, K);
