@@ -324,6 +324,9 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
   };
   const std::vector<Flip> flips = {
       {"PDL edges off", [](Tuning& t) { t.pdl = false; }},
+      {rows <= def.narrow_rows ? "wide choices at this size (narrow_rows 0)"
+                               : "narrow choices at this size (narrow_rows 64)",
+       [&](Tuning& t) { t.narrow_rows = rows <= def.narrow_rows ? 0 : 64; }},
       {def.l2_prefetch_bytes > 0 ? "L2 prefetch off" : "L2 prefetch on, 24 MB",
        [&](Tuning& t) {
          t.l2_prefetch_bytes = def.l2_prefetch_bytes > 0 ? 0 : cuda::kL2PrefetchTrialBytes;

@@ -285,7 +285,7 @@ void CudaBackbone::run_graph(int64_t rows, StepPath path) {
       throw;
     }
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    if (path == StepPath::Specialized && opt_.tuning.pdl) {
+    if (path == StepPath::Specialized && opt_.tuning.pdl_for(rows)) {
       try {
         make_kernel_edges_programmatic(graph, foreign_nodes_);
       } catch (...) {
@@ -350,7 +350,7 @@ std::vector<StageTime> CudaBackbone::profile_step(std::span<const int32_t> slots
     enqueue(static_cast<int64_t>(slots.size()), path);
     mark("end");
     K3_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    if (path == StepPath::Specialized && opt_.tuning.pdl)
+    if (path == StepPath::Specialized && opt_.tuning.pdl_for(static_cast<int64_t>(slots.size())))
       make_kernel_edges_programmatic(graph, foreign_nodes_);
     const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
     (void)cudaGraphDestroy(graph);

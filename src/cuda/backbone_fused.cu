@@ -269,7 +269,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   }
   // The down-projection applies the GLU as it stages its input (one launch fewer), where the
   // kernel takes these operands (MXFP4, fused w1|w3 output rows); else GLU, then the GEMM.
-  if (!(m.w13 && opt_.tuning.glu_in_down_proj &&
+  if (!(m.w13 && opt_.tuning.glu_in_down_proj_for(R) &&
         expert_down_glu(m, eg, act, b.moe_gu32.data(), 2 * I, I, expert_out(), expert_out_fp32(),
                         stream_))) {
     const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
@@ -286,7 +286,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
   moe_combine(y, b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr, cfg_.rms_norm_eps,
               routed, stream_, y_pos);
-  if (up && opt_.tuning.fold_moe_residual) {
+  if (up && opt_.tuning.fold_moe_residual_for(R)) {
     // The latent up-projection's store adds the shared experts' output (sub = routed + shared)
     // and the layer's residual (P += sub), rounding as the separate adds.
     if (shared) {

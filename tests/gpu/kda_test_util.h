@@ -34,8 +34,11 @@ using gpu_test::Tol;
 
 // ---- Tolerances: |gpu - ref| <= ulps * ulp_bf16(|ref|) + rel * RMS(ref). The GPU sums the
 // column dots in a different order than the CPU loops; everything else is the same fp32 math.
-constexpr Tol kOut{1.0, 1e-3};        // bf16 out: one rounding flip + fp32 order noise
-constexpr Tol kStateF32{0.0, 1e-5};   // fp32 state carried 3 steps on each side
+constexpr Tol kOut{1.0, 1e-3};  // bf16 out: one rounding flip + fp32 order noise
+// fp32 state carried 3 steps on each side: 1e-5 of the RMS, and 64 fp32 ulps (1/1024 of a bf16
+// ulp) of the value, for the rare entries far above the RMS (seed 4745814616765790265: 6 fp32
+// ulps off at 1.06, with 1e-5 of the RMS below that).
+constexpr Tol kStateF32{1.0 / 1024, 1e-5};
 constexpr Tol kStateBf16{1.0, 1e-6};  // bf16 state, each step from the same (GPU) input state
 // conv window: exact (a shift of bf16 values).
 

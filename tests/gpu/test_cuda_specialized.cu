@@ -161,7 +161,10 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   swapped.router_beside_latent = !swapped.router_beside_latent;
   cuda::SpecializedTuning swapped_ungrouped = swapped;
   swapped_ungrouped.group_in_router = !swapped_ungrouped.group_in_router;
-  for (const cuda::SpecializedTuning* tuning : {&t, &swapped, &swapped_ungrouped})
+  // Every step wide (no PDL edges, GLU kernel, add kernels), whatever its rows.
+  cuda::SpecializedTuning wide;
+  wide.narrow_rows = 0;
+  for (const cuda::SpecializedTuning* tuning : {&t, &swapped, &swapped_ungrouped, &wide})
     for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
       const auto d = teacher_forced(
           preset, [](int) { return StepPath::Specialized; }, tuning);
