@@ -76,9 +76,9 @@ struct SpecializedTuning {
   // steps run without them. Each measured faster off at batch 8 in two runs (19, 20: PDL edges
   // -1.2% / -2.2%, the GLU kernel -1.6% / -1.3%, the two add kernels -2.7% / -3.6%; all three
   // off: -3.0% in run 21) and slower at batch 1 (+4.9%, +0.3%, +2.1%; all three: +8.3%). The
-  // q = 4 verify step (4 rows) took 17.31 ms with them (run 20) and 18.06 ms without (run 21,
-  // narrow_rows 1), hence 4; 5..7 rows are not measured.
-  int narrow_rows = 4;
+  // q = 4 verify step (4 rows) took 18.06 ms without them (run 21) and 17.10-18.43 ms with them
+  // in runs 17-20: not decided, nor are 2..7 rows.
+  int narrow_rows = 1;
   bool pdl_for(int64_t rows) const { return pdl && rows <= narrow_rows; }
   bool glu_in_down_proj_for(int64_t rows) const { return glu_in_down_proj && rows <= narrow_rows; }
   bool fold_moe_residual_for(int64_t rows) const {
