@@ -1,5 +1,5 @@
-// The one-row bf16 GEMV (gemv_bf16.cu): a plan kind of the skinny GEMM launcher (LinearPlan::
-// gemv_ks > 0), chosen for dense one-row launches where it measures faster than the mma tiling.
+// The few-row bf16 GEMV (gemv_bf16.cu): a plan kind of the skinny GEMM launcher (LinearPlan::
+// gemv_ks > 0) for dense launches of 1..4 rows, chosen where it measures faster than the tiling.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,7 +10,7 @@ namespace k3::cuda::detail {
 
 struct SkinnyArgs;
 
-// Launches GEMV plan p on a (one x row, dense bf16 W, the skinny epilogue); returns the launch's
+// Launches GEMV plan p on a (1..4 x rows, dense bf16 W, the skinny epilogue); returns the launch's
 // error (the tuner skips plans that fail to launch).
 cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& a, cudaStream_t stream);
 

@@ -245,8 +245,8 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
   // Dense bf16 launches of 1..4 rows also get GEMV plans, best model first. For one row they go
   // first: the prototype sweep measured the best GEMV ahead of every mma tiling on each one-row
   // shape it timed, which the mma model does not capture. With more rows x takes m times the
-  // registers and the tilings go first (the GEMV lost to them at 4 rows); the tuner times both
-  // kinds. Not under batch invariance: the GEMV sums K in another order than the tilings.
+  // registers and the tilings go first (at 4 rows the prototype lost to cuBLAS); the tuner times
+  // both kinds. Not under batch invariance: the GEMV sums K in another order than the tilings.
   if (w == LinearWeight::BF16 && m <= kGemvMaxRows && groups == 1 && !batch_invariant()) {
     std::vector<LinearPlan> gemv;
     for (int ks : {1, 2, 4, 8})
