@@ -157,8 +157,6 @@ bool linear_tuning_enabled();
 // tuning time, never inside a capture or a decode step; where that allocation fails, nothing).
 void flush_l2(cudaStream_t stream);
 
-std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked);
-
 template <class Fmt>
 LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
                      cudaStream_t stream) {

@@ -120,6 +120,13 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
                                           const DeviceLimits& d, const LinearRegs& regs,
                                           int active_groups = 0);
 
+namespace detail {
+// The plans the tuner times (linear_launch.cuh), from a model-ranked candidate list: the best
+// six GEMV plans (where the shape has any), then up to 12 tilings (the top six, then the best of
+// each cluster size and warps-along-K count not yet in).
+std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked);
+}  // namespace detail
+
 // The H200 cold-L2 read bandwidth for a kernel reading `bytes` (h200-ceilings.md: 1/4/8/16/32/
 // 64/128 MB -> 0.8/1.8/2.7/3.1/3.7/4.1/4.2 TB/s, log-linear between, linear below 1 MB).
 double h200_read_curve_tbps(double bytes);

@@ -1,0 +1,122 @@
+// The skinny-GEMM planner's host logic (cuda/linear_plan.h) without a GPU: which problems get
+// GEMV plans, their limits and shared memory, how they rank against the tilings, batch
+// invariance, and the tuner's shortlist. Runs in CI (no device call: explicit H200 limits and no
+// register query).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cuda/linear_plan.h"
+
+namespace k3 {
+namespace {
+
+using cuda::LinearPlan;
+using cuda::LinearWeight;
+
+std::vector<LinearPlan> candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups = 1) {
+  return cuda::linear_candidates(w, m, n, k, groups, cuda::DeviceLimits{}, nullptr);
+}
+
+int count_gemv(const std::vector<LinearPlan>& c) {
+  return static_cast<int>(
+      std::count_if(c.begin(), c.end(), [](const auto& p) { return p.gemv(); }));
+}
+
+// Restores batch invariance after a test that sets it.
+struct InvariantScope {
+  bool was = cuda::batch_invariant();
+  explicit InvariantScope(bool on) { cuda::set_batch_invariant(on); }
+  ~InvariantScope() { cuda::set_batch_invariant(was); }
+};
+
+TEST(LinearPlan, GemvPlansForDenseBf16OfOneToFourRows) {
+  const InvariantScope off(false);
+  for (int m = 1; m <= 4; ++m)
+    EXPECT_GE(count_gemv(candidates(LinearWeight::BF16, m, 768, 7168)), 4);
+  EXPECT_EQ(count_gemv(candidates(LinearWeight::BF16, 5, 768, 7168)), 0);
+  EXPECT_EQ(count_gemv(candidates(LinearWeight::BF16, 1, 768, 7168, 16)), 0) << "grouped";
+  EXPECT_EQ(count_gemv(candidates(LinearWeight::MXFP4, 1, 3072, 3584)), 0);
+  EXPECT_EQ(count_gemv(candidates(LinearWeight::BF16, 1, 768, 1001)), 0) << "K % 8 != 0";
+}
+
+TEST(LinearPlan, GemvRanksFirstForOneRowOnly) {
+  const InvariantScope off(false);
+  for (const auto& [n, k] : {std::pair<int64_t, int64_t>{768, 7168}, {3584, 7168}, {7168, 768}}) {
+    EXPECT_TRUE(candidates(LinearWeight::BF16, 1, n, k).front().gemv()) << n << "x" << k;
+    const auto two = candidates(LinearWeight::BF16, 2, n, k);
+    EXPECT_FALSE(two.front().gemv()) << n << "x" << k;
+    EXPECT_TRUE(two.back().gemv()) << "the GEMV plans follow the tilings";
+  }
+}
+
+// Units per lane within the kernel's registers for its rows, the CTA's rows covering N, and the
+// partial sums' shared memory (the 3-row launch runs the 4-row instance).
+TEST(LinearPlan, GemvPlanLimitsAndSharedMemory) {
+  const InvariantScope off(false);
+  for (int m = 1; m <= 4; ++m)
+    for (const auto& [n, k] : {std::pair<int64_t, int64_t>{768, 7168}, {130, 4104}, {37, 72}})
+      for (const LinearPlan& p : candidates(LinearWeight::BF16, m, n, k)) {
+        if (!p.gemv()) continue;
+        const int j = cuda::gemv_units_per_lane(k, p.gemv_ks);
+        EXPECT_GE(j, 1);
+        EXPECT_LE(j, cuda::gemv_max_units_per_lane(m)) << p.str();
+        EXPECT_GE(static_cast<int64_t>(j) * 32 * p.gemv_ks, k / 8) << "every unit has a lane";
+        EXPECT_EQ(p.threads(), 256);
+        EXPECT_EQ(p.rows_per_cta(), 8 / p.gemv_ks * p.gemv_rpw);
+        EXPECT_GE(p.grid_x() * p.rows_per_cta(), n);
+        EXPECT_LT((p.grid_x() - 1) * p.rows_per_cta(), n) << "no CTA without rows";
+        const size_t rows_instance = m == 3 ? 4 : static_cast<size_t>(m);
+        EXPECT_EQ(p.smem_bytes, static_cast<size_t>(p.rows_per_cta()) * p.gemv_ks * rows_instance *
+                                    sizeof(float));
+      }
+  // K = 4104: 513 units need 4 or 8 k segments to fit 8 units per lane at one row, 8 at two.
+  std::set<int> ks1, ks2;
+  for (const auto& p : candidates(LinearWeight::BF16, 1, 130, 4104))
+    if (p.gemv()) ks1.insert(p.gemv_ks);
+  for (const auto& p : candidates(LinearWeight::BF16, 2, 130, 4104))
+    if (p.gemv()) ks2.insert(p.gemv_ks);
+  EXPECT_EQ(ks1, (std::set<int>{4, 8}));
+  EXPECT_EQ(ks2, (std::set<int>{8}));
+}
+
+TEST(LinearPlan, NoGemvUnderBatchInvariance) {
+  const InvariantScope on(true);
+  for (int m = 1; m <= 4; ++m)
+    EXPECT_EQ(count_gemv(candidates(LinearWeight::BF16, m, 768, 7168)), 0);
+  // same_k_order keeps tilings only, even given a GEMV plan's knobs.
+  LinearPlan anchor;
+  anchor.wk = 1, anchor.ck = 1;
+  const InvariantScope off(false);
+  for (const auto& p : cuda::same_k_order(candidates(LinearWeight::BF16, 1, 768, 7168), anchor))
+    EXPECT_FALSE(p.gemv()) << p.str();
+}
+
+// The tuner times at most six GEMV plans (the model's best) and up to 12 tilings, none twice,
+// whatever the GEMV plans' rank.
+TEST(LinearPlan, TuningShortlistTakesBothKinds) {
+  const InvariantScope off(false);
+  for (int m : {1, 2}) {
+    const auto ranked = candidates(LinearWeight::BF16, m, 768, 7168);
+    const auto list = cuda::detail::tuning_shortlist(ranked);
+    const int g = count_gemv(list);
+    EXPECT_EQ(g, std::min(6, count_gemv(ranked))) << "m " << m;  // 2 rows: 5 (8 k segments only)
+    EXPECT_GE(g, 5) << "m " << m;
+    EXPECT_GE(static_cast<int>(list.size()) - g, 6) << "m " << m;
+    EXPECT_LE(static_cast<int>(list.size()) - g, 12) << "m " << m;
+    std::set<std::string> seen;
+    for (const auto& p : list) EXPECT_TRUE(seen.insert(p.str()).second) << p.str();
+    // The GEMV plans listed are the model's best ones, in its order.
+    std::vector<std::string> best;
+    for (const auto& p : ranked)
+      if (p.gemv() && best.size() < 6) best.push_back(p.str());
+    for (int i = 0; i < g; ++i)
+      EXPECT_EQ(list[static_cast<size_t>(i)].str(), best[static_cast<size_t>(i)]);
+  }
+}
+
+}  // namespace
+}  // namespace k3
