@@ -278,31 +278,11 @@ void bench_gemm(Timer& t, cublasHandle_t cb, const GemmCase& c, const std::vecto
     record(r);
 
     if (sweep) {
-      auto cand =
+      const auto cand =
           c.fp4 ? cuda::linear_mxfp4_candidates(M, N, K) : cuda::linear_bf16_candidates(M, N, K);
-      std::vector<cuda::LinearPlan> try_plans;
-      int n_gemv = 0;  // the model's best four GEMV plans, wherever they rank
-      for (const auto& p : cand)
-        if (p.gemv() && n_gemv < 4) try_plans.push_back(p), ++n_gemv;
-      for (const auto& p : cand) {
-        if (p.gemv()) continue;
-        bool dup = false;
-        for (const auto& q : try_plans) dup |= q.str() == p.str();
-        // The model's top 6, then the best of each cluster size and warps-along-K count.
-        bool novel = try_plans.size() < 6 + static_cast<size_t>(n_gemv);
-        for (int ck = 1; ck <= 8 && !novel; ++ck) {
-          bool have = false;
-          for (const auto& q : try_plans) have |= q.ck == ck;
-          novel = p.ck == ck && !have;
-        }
-        for (int wk = 1; wk <= 8 && !novel; ++wk) {
-          bool have = false;
-          for (const auto& q : try_plans) have |= q.wk == wk;
-          novel = p.wk == wk && !have;
-        }
-        if (!dup && novel) try_plans.push_back(p);
-        if (try_plans.size() >= 14 + static_cast<size_t>(n_gemv)) break;
-      }
+      // What the tuner times (linear_launch.cuh): the model's best GEMV plans, then its top
+      // tilings and the best of each cluster size and warps-along-K count.
+      const std::vector<cuda::LinearPlan> try_plans = cuda::detail::tuning_shortlist(cand);
       double best = 1e30;
       std::string best_plan;
       for (const auto& p : try_plans) {

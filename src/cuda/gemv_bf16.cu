@@ -140,11 +140,17 @@ GemvKernel gemv_kernel_for_units(int j) {
   fail("GEMV: no kernel for ", M, " rows with ", j, " units per lane");
 }
 
-// Instances for m = 1, 2 and 4 rows (3 runs the 4-row one with its last x row zero).
+// Instances for m = 1, 2 and 4 rows (gemv_rows_instance: 3 runs the 4-row one with its last x
+// row zero).
 GemvKernel gemv_kernel_for(int m, int j) {
-  if (m == 1) return gemv_kernel_for_units<1>(j);
-  if (m == 2) return gemv_kernel_for_units<2>(j);
-  return gemv_kernel_for_units<4>(j);
+  switch (gemv_rows_instance(m)) {
+    case 1:
+      return gemv_kernel_for_units<1>(j);
+    case 2:
+      return gemv_kernel_for_units<2>(j);
+    default:
+      return gemv_kernel_for_units<4>(j);
+  }
 }
 
 }  // namespace

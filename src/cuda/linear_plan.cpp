@@ -96,9 +96,8 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
     const int j = gemv_units_per_lane(p.k, p.gemv_ks);
     if (p.gemv_rpw < 1 || j < 1 || j > gemv_max_units_per_lane(p.m)) return false;
     p.chunks = 0, p.x_pitch = 0, p.x_bytes = 0;
-    const int rows_instance = p.m == 3 ? 4 : p.m;  // gemv_bf16.cu's instances: 1, 2, 4
     p.smem_bytes =
-        static_cast<size_t>(p.rows_per_cta()) * p.gemv_ks * rows_instance * sizeof(float);
+        static_cast<size_t>(p.rows_per_cta()) * p.gemv_ks * gemv_rows_instance(p.m) * sizeof(float);
     return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
   }
   const int kc = linear_chunk_k(p.weight);
@@ -239,9 +238,10 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
             out.push_back(p);
           }
   }
-  std::stable_sort(out.begin(), out.end(), [](const LinearPlan& a, const LinearPlan& b) {
+  const auto by_model = [](const LinearPlan& a, const LinearPlan& b) {
     return a.model_us < b.model_us;
-  });
+  };
+  std::stable_sort(out.begin(), out.end(), by_model);
   // Dense bf16 launches of 1..4 rows also get GEMV plans, best model first. For one row they go
   // first: the prototype sweep measured the best GEMV ahead of every mma tiling on each one-row
   // shape it timed, which the mma model does not capture. With more rows x takes m times the
@@ -258,9 +258,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
         p.model_us = gemv_model_us(p, d);
         gemv.push_back(p);
       }
-    std::stable_sort(gemv.begin(), gemv.end(), [](const LinearPlan& a, const LinearPlan& b) {
-      return a.model_us < b.model_us;
-    });
+    std::stable_sort(gemv.begin(), gemv.end(), by_model);
     out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
   }
   return out;
@@ -345,7 +343,7 @@ void flush_l2(cudaStream_t stream) {
 
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {
   std::vector<LinearPlan> out;
-  // The best six GEMV plans (one-row shapes), then up to 12 tiled ones.
+  // The best six GEMV plans (where the shape has any), then up to 12 tiled ones.
   for (const LinearPlan& p : ranked)
     if (p.gemv() && out.size() < 6) out.push_back(p);
   const size_t n_gemv = out.size();

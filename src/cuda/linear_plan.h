@@ -83,6 +83,10 @@ int linear_max_threads(int nt, int mt);                            // the kernel
 // GEMV: 16-byte units of one row's k segment per lane (K / 8 units over ks segments, 32 lanes).
 int gemv_units_per_lane(int64_t k, int ks);
 constexpr int kGemvMaxRows = 4;  // token rows of one GEMV launch (gemv_bf16.cu)
+// The kernel instance that runs m token rows (gemv_bf16.cu: 1, 2 and 4; 3 runs on the 4-row one).
+constexpr int gemv_rows_instance(int m) {
+  return m <= 2 ? m : 4;
+}
 // Units per lane the kernel holds in registers for m token rows (x and two rows of W).
 constexpr int gemv_max_units_per_lane(int m) {
   return m == 1 ? 8 : 4;
@@ -113,9 +117,9 @@ void set_linear_tuning(bool on);
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
 // Every valid plan for the problem, cheapest model estimate first (empty when only the fallback
-// applies); dense bf16 launches of 1..4 rows (outside batch invariance) also get GEMV plans, first
-// for one row and after the tilings otherwise. The
-// best is what the launchers use untuned; the tuner and the bench time the others.
+// applies); dense bf16 launches of 1..4 rows (outside batch invariance) also get GEMV plans,
+// first for one row and after the tilings otherwise. The best is what the launchers use
+// untuned; the tuner and the bench time the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
                                           const DeviceLimits& d, const LinearRegs& regs,
                                           int active_groups = 0);
