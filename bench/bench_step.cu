@@ -14,6 +14,7 @@
 // streams its own weights as a real rank does.
 // Context: every row's cache is made --context long (deterministic synthetic latents).
 // Verify: --verify-q (default 2,4,8) times one request's q tokens as one step at batch 1.
+// Trace: --trace prints each path's kernel timeline of one more replay (CUPTI; kernel_trace.h).
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
 // Floor: bytes the step must read (every weight of the layers' attention, router, latent and
@@ -34,11 +35,15 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "bench_rank.h"
+#ifdef K3_HAVE_CUPTI
+#include "kernel_trace.h"
+#endif
 #include "core/error.h"
 #include "cuda/backbone.h"
 #include "cuda/check.h"
@@ -54,7 +59,7 @@ constexpr double kPeakTBps = 4.3;
 
 struct Args {
   int layers = 8, tp = 16, ep = 16, replays = 20, template_layers = 8;
-  bool dsa = false, profile = true, tuning = true;
+  bool dsa = false, profile = true, tuning = true, trace = false;
   std::vector<std::string> paths = {"stock", "specialized"};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int64_t> contexts = {1024, 32768};
@@ -96,6 +101,8 @@ Args parse(int argc, char** argv) {
       a.profile = false;
     else if (k == "--no-tuning")
       a.tuning = false;
+    else if (k == "--trace")
+      a.trace = true;
     else if (k == "--paths") {
       a.paths.clear();
       for (std::string p = v; !p.empty();) {
@@ -152,6 +159,31 @@ double time_step(cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
   K3_CUDA_CHECK(cudaEventDestroy(e0));
   K3_CUDA_CHECK(cudaEventDestroy(e1));
   return median_ms(ms);
+}
+
+#ifdef K3_HAVE_CUPTI
+using Tracer = bench::KernelTrace;
+#else
+struct Tracer {};
+#endif
+
+// One more replay of the captured step, from a cold L2, with its kernels' timeline printed
+// (--trace): the summary by kernel, then layers 1..3 (from the second AttnRes mix + norm, the
+// first layer's attention input, to the eighth).
+void trace_step(Tracer* tracer, cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
+                const std::vector<int32_t>& toks, cuda::StepPath path, const std::string& title,
+                cuda::DeviceBuffer<uint8_t>& flush) {
+  if (!tracer) return;
+#ifdef K3_HAVE_CUPTI
+  flush.fill_bytes(0x5a, bb.stream());
+  K3_CUDA_CHECK(cudaDeviceSynchronize());
+  tracer->clear();
+  bb.step(slots, toks, path);
+  K3_CUDA_CHECK(cudaDeviceSynchronize());
+  bench::print_trace(tracer->take(), title, "attn_res_norm_kernel", 1, 7);
+#else
+  (void)bb, (void)slots, (void)toks, (void)path, (void)title, (void)flush;
+#endif
 }
 
 bool finite_logits(cuda::CudaBackbone& bb, int rows, size_t V) {
@@ -413,6 +445,15 @@ int run(const Args& a) {
                         "_ep" + std::to_string(a.ep) + (a.dsa ? "_dsa" : "")))
                           .string()
                     : a.dir;
+  // Kernel tracing is on before any graph is built (graph kernels are traced only then).
+  std::unique_ptr<Tracer> tracer;
+  if (a.trace) {
+#ifdef K3_HAVE_CUPTI
+    tracer = std::make_unique<Tracer>();
+#else
+    fail("--trace: this k3_bench_step was built without CUPTI");
+#endif
+  }
   const auto t0 = std::chrono::steady_clock::now();
   if (!std::filesystem::exists(std::filesystem::path(dir) / "config.json")) {
     SynthOptions so;
@@ -516,6 +557,9 @@ int run(const Args& a) {
                     bytes / (med * 1e-3) / 1e9, finite ? "logits finite" : "NON-FINITE LOGITS");
         std::fflush(stdout);
         if (!finite) return 1;
+        for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+        trace_step(tracer.get(), bb, slots, toks, path,
+                   name + " batch " + std::to_string(rows) + " ctx " + std::to_string(ctx), flush);
         if (path == cuda::StepPath::Specialized && a.tuning && rows == a.batches.front()) {
           // The same graphs timed again at once: run 17 timed the headline 7% above the defaults
           // between the flips (recaptured graphs); this line separates order from capture.
