@@ -1,10 +1,16 @@
 // Absorbed MLA decode, CUDA cores, fp32 math. Kernel 1 (split): one CTA per (split, head
 // group, row) streams its token range through shared memory in tiles of 32 cache rows (16-B
-// loads through the page table), scores all heads of the group against each row (one warp per
-// token), updates a per-head online softmax and accumulates p x c (one thread per 8 latent
-// columns x up to 4 heads). Kernel 2 (combine): merges the row's active splits (derived from its
-// length, like the split kernel's ranges) of each (row, head) in split order, so the result does
-// not depend on scheduling.
+// cp.async copies through the page table, the next tile in flight while the current one is
+// used), scores all heads of the group against each row (one warp per token), updates a
+// per-head online softmax and accumulates p x c (one thread per 8 latent columns x up to 4
+// heads). Kernel 2 (combine): merges the row's active splits (derived from its length, like the
+// split kernel's ranges) of each (row, head) in split order, so the result does not depend on
+// scheduling.
+//
+// Every global access of the split kernel is issued in batches (unrolled fixed-count loops), so a
+// tile costs one page-table round trip and one copy round trip, overlapped with the previous
+// tile's math: an earlier version with plain loop-carried loads took 35 us per layer at batch 1
+// and 1k context in the decode step (bench/RESULTS.md), nearly all of it serial memory latency.
 #include "cuda/mla_decode.h"
 
 #include <algorithm>
@@ -13,10 +19,15 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/mla_decode_generic.h"
+#include "cuda/mma.cuh"
 #include "cuda/pdl.cuh"
 
 namespace k3::cuda {
 namespace {
+
+using detail::cp_async16;
+using detail::cp_async_commit;
+using detail::cp_async_wait;
 
 constexpr int kKvLora = 512;
 constexpr int kRope = 64;
@@ -25,13 +36,18 @@ constexpr int kChunks = kD / 8;      // 72 16-byte chunks per cache row
 constexpr int kTile = 32;            // cache rows per shared-memory tile
 constexpr int kMaxHeads = 16;        // heads per CTA (register budget of the score warp)
 constexpr int kThreads = 256;
-constexpr int kColGroups = kKvLora / 8;                       // 64 threads span the latent columns
-constexpr int kHeadSets = kThreads / kColGroups;              // 4 head subsets in the PV step
-constexpr int kHeadsPerThread = kMaxHeads / kHeadSets;        // 4
-constexpr size_t kSmemBytes = sizeof(float) * kMaxHeads * kD  // q, fp32
-                              + sizeof(__nv_bfloat16) * kTile * kD  // cache tile
-                              + sizeof(float) * kMaxHeads * kTile   // scores, then p
-                              + sizeof(float) * kMaxHeads * 3;      // m, l, alpha
+constexpr int kColGroups = kKvLora / 8;                  // 64 threads span the latent columns
+constexpr int kHeadSets = kThreads / kColGroups;         // 4 head subsets in the PV step
+constexpr int kHeadsPerThread = kMaxHeads / kHeadSets;   // 4
+constexpr int kTileCopies = kTile * kChunks / kThreads;  // 16-byte copies per thread per tile
+static_assert(kTile * kChunks % kThreads == 0, "a tile is whole rounds of copies");
+constexpr int kQCopies = (kMaxHeads * kChunks + kThreads - 1) / kThreads;  // q: 16 B per copy
+
+// Shared memory of a CTA with hpg heads: q (bf16), two cache tiles, scores, softmax state.
+constexpr size_t split_smem_bytes(int hpg) {
+  return sizeof(__nv_bfloat16) * hpg * kD + 2 * sizeof(__nv_bfloat16) * kTile * kD +
+         sizeof(float) * kMaxHeads * kTile + sizeof(float) * kMaxHeads * 3;
+}
 
 __device__ __forceinline__ void bf16x8_to_f32(const uint4 u, float (&v)[8]) {
   const uint32_t w[4] = {u.x, u.y, u.z, u.w};
@@ -75,12 +91,15 @@ __global__ void __launch_bounds__(kThreads)
   // q_abs [rows][heads][512] bf16; q_pe [rows][heads][64] bf16; cache [pages][page_size][576];
   // ws_acc [rows][heads][splits][512] fp32 (unnormalised sum p c); ws_ml [rows][heads][splits][2]
   extern __shared__ __align__(16) unsigned char smem[];
-  float* qs = reinterpret_cast<float*>(smem);                                   // [kMaxHeads][kD]
-  __nv_bfloat16* tile = reinterpret_cast<__nv_bfloat16*>(qs + kMaxHeads * kD);  // [kTile][kD]
-  float* ps = reinterpret_cast<float*>(tile + kTile * kD);  // [kMaxHeads][kTile]
-  float* m_s = ps + kMaxHeads * kTile;                      // [kMaxHeads] running max
-  float* l_s = m_s + kMaxHeads;                             // [kMaxHeads] running sum
-  float* a_s = l_s + kMaxHeads;                             // [kMaxHeads] rescale this tile
+  // q stays bf16 here (each lane's 16-byte chunk reads are contiguous across the warp: fp32 q at
+  // a 32-byte lane stride made every score-step load an 8-way bank conflict) and is widened
+  // exactly where it is used.
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);    // [hpg][kD]
+  __nv_bfloat16* tiles = qs + hpg * kD;                          // [2][kTile][kD]
+  float* ps = reinterpret_cast<float*>(tiles + 2 * kTile * kD);  // [kMaxHeads][kTile]
+  float* m_s = ps + kMaxHeads * kTile;                           // [kMaxHeads] running max
+  float* l_s = m_s + kMaxHeads;                                  // [kMaxHeads] running sum
+  float* a_s = l_s + kMaxHeads;                                  // [kMaxHeads] rescale this tile
 
   const int split = blockIdx.x, splits = gridDim.x;
   const int h0 = blockIdx.y * hpg, row = blockIdx.z;
@@ -93,11 +112,42 @@ __global__ void __launch_bounds__(kThreads)
   const int beg = min(n, split * chunk), end = min(n, beg + chunk);
   if (beg >= end) return;  // beyond the row's active splits: the combine never reads it
 
-  for (int i = tid; i < hg * kD; i += kThreads) {
-    const int h = i / kD, d = i % kD;
-    const int64_t qh = static_cast<int64_t>(row) * heads + h0 + h;
-    qs[h * kD + d] = d < kKvLora ? __bfloat162float(q_abs[qh * kKvLora + d])
-                                 : __bfloat162float(q_pe[qh * kRope + d - kKvLora]);
+  // Tile loads: the rows' page-table entries (and sparse selections) of a tile in one batch,
+  // then its 16-byte copies, one commit group per tile.
+  const auto issue_tile = [&](__nv_bfloat16* dst, int t0) {
+    const int nt = min(kTile, end - t0);
+#pragma unroll
+    for (int j = 0; j < kTileCopies; ++j) {
+      const int i = tid + j * kThreads;
+      const int r = i / kChunks, c = i % kChunks;
+      const bool ok = r < nt;
+      const int pos = ok ? (sel ? sel[t0 + r] : t0 + r) : 0;
+      const int64_t page = ok ? bt[pos / page_size] : 0;
+      const __nv_bfloat16* src = cache + (page * page_size + pos % page_size) * kD + c * 8;
+      cp_async16(dst + r * kD + c * 8, ok ? src : cache, ok);  // zero-filled past nt
+    }
+    cp_async_commit();
+  };
+  issue_tile(tiles, beg);
+
+  // q of the group's heads: every 16-byte load first, then the stores.
+  uint4 qv[kQCopies];
+#pragma unroll
+  for (int j = 0; j < kQCopies; ++j) {
+    const int i = tid + j * kThreads;
+    const int h = i / kChunks, c = i % kChunks;
+    qv[j] = make_uint4(0, 0, 0, 0);
+    if (h < hg) {
+      const int64_t qh = static_cast<int64_t>(row) * heads + h0 + h;
+      qv[j] = c < kKvLora / 8 ? detail::ld_act128(q_abs + qh * kKvLora + c * 8)
+                              : detail::ld_act128(q_pe + qh * kRope + (c - kKvLora / 8) * 8);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kQCopies; ++j) {
+    const int i = tid + j * kThreads;
+    const int h = i / kChunks, c = i % kChunks;
+    if (h < hg) *reinterpret_cast<uint4*>(qs + h * kD + c * 8) = qv[j];
   }
   if (tid < kMaxHeads) {
     m_s[tid] = -INFINITY;
@@ -106,20 +156,17 @@ __global__ void __launch_bounds__(kThreads)
   const int cg = tid % kColGroups, hs = tid / kColGroups;
   float acc[kHeadsPerThread][8] = {};
 
-  for (int t0 = beg; t0 < end; t0 += kTile) {
+  int buf = 0;
+  for (int t0 = beg; t0 < end; t0 += kTile, buf ^= 1) {
     const int nt = min(kTile, end - t0);
-    // 1. Tile load: 16-byte chunks, token -> (page, slot) through the block table.
-    for (int i = tid; i < kTile * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (r < nt) {
-        const int pos = sel ? sel[t0 + r] : t0 + r;
-        const int64_t page = bt[pos / page_size];
-        const __nv_bfloat16* src = cache + (page * page_size + pos % page_size) * kD + c * 8;
-        v = __ldg(reinterpret_cast<const uint4*>(src));
-      }
-      *reinterpret_cast<uint4*>(tile + r * kD + c * 8) = v;
-    }
+    const __nv_bfloat16* tile = tiles + buf * kTile * kD;
+    // 1. The next tile's copies go out (into the buffer the previous iteration finished with),
+    // then this tile's have landed.
+    if (t0 + kTile < end)
+      issue_tile(tiles + (buf ^ 1) * kTile * kD, t0 + kTile);
+    else
+      cp_async_commit();  // an empty group keeps the wait count uniform
+    cp_async_wait<1>();
     __syncthreads();
     // 2. Scores: one warp per token; the lane's 8-column chunks are reused for all heads.
     for (int t = warp; t < kTile; t += kThreads / 32) {
@@ -130,10 +177,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int h = 0; h < kMaxHeads; ++h) {
           if (h >= hg) break;
-          const float4 qa = *reinterpret_cast<const float4*>(qs + h * kD + c * 8);
-          const float4 qb = *reinterpret_cast<const float4*>(qs + h * kD + c * 8 + 4);
-          part[h] += qa.x * v[0] + qa.y * v[1] + qa.z * v[2] + qa.w * v[3] + qb.x * v[4] +
-                     qb.y * v[5] + qb.z * v[6] + qb.w * v[7];
+          float qf[8];
+          bf16x8_to_f32(*reinterpret_cast<const uint4*>(qs + h * kD + c * 8), qf);
+          part[h] += qf[0] * v[0] + qf[1] * v[1] + qf[2] * v[2] + qf[3] * v[3] + qf[4] * v[4] +
+                     qf[5] * v[5] + qf[6] * v[6] + qf[7] * v[7];
         }
       }
 #pragma unroll
@@ -287,7 +334,7 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   }
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
-  // Aim at two CTAs per SM (what fits at ~74 KB of shared memory) for the longest context the
+  // Aim at two CTAs per SM (what fits at <= 94 KB of shared memory) for the longest context the
   // grid must serve; on the device each split takes at least kMinSplit tokens, so a short context
   // uses fewer splits. At batch 1 the step is latency-bound: many short splits win although each
   // writes heads_per_group x 2 KB of fp32 partials (L2-resident, read back by the combine).
@@ -313,8 +360,10 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
            "cuda::mla_decode: sparse launch needs n_selected and max_sel");
   K3_CHECK(reinterpret_cast<uintptr_t>(cache) % 16 == 0 &&
                reinterpret_cast<uintptr_t>(workspace) % 16 == 0 &&
-               reinterpret_cast<uintptr_t>(o_latent) % 16 == 0,
-           "cuda::mla_decode: cache, workspace and o_latent must be 16-byte aligned");
+               reinterpret_cast<uintptr_t>(o_latent) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(q_abs) % 16 == 0 &&
+               reinterpret_cast<uintptr_t>(q_pe) % 16 == 0,
+           "cuda::mla_decode: cache, workspace, o_latent, q_abs and q_pe must be 16-byte aligned");
   if (p.kv_lora != kKvLora || p.rope != kRope) {
     detail::mla_decode_generic(p, q_abs, q_pe, cache, block_table, seq_len, selected, n_selected,
                                softmax_scale, o_latent, o_bf16, stream, lse);
@@ -324,11 +373,12 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
   float* ws_acc = static_cast<float*>(workspace);
   float* ws_ml = ws_acc + static_cast<size_t>(p.rows) * p.heads * p.splits * kKvLora;
   // Above the 48 KB default: an attribute, not a stream operation, so legal while capturing.
+  const size_t smem = split_smem_bytes(p.heads_per_group);
   K3_CUDA_CHECK(cudaFuncSetAttribute(mla_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kSmemBytes)));
+                                     static_cast<int>(split_smem_bytes(kMaxHeads))));
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.head_groups),
                   static_cast<unsigned>(p.rows));
-  mla_split_kernel<<<grid, kThreads, kSmemBytes, stream>>>(
+  mla_split_kernel<<<grid, kThreads, smem, stream>>>(
       q_abs, q_pe, cache, block_table, seq_len, selected, n_selected, p.heads, p.heads_per_group,
       p.page_size, p.max_pages, p.max_sel, softmax_scale, ws_acc, ws_ml);
   K3_CUDA_CHECK_LAUNCH();

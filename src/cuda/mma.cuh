@@ -78,6 +78,21 @@ __device__ __forceinline__ uint4 ldg128(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// A 16-byte load of data an earlier kernel of the step wrote (an activation): coherent at L2,
+// and, being volatile asm, kept after griddepcontrol.wait. __ldg (ld.global.nc) is only for data
+// that is read-only for the kernel's whole lifetime, which an activation is not under a
+// programmatic launch (its producer may still be writing it when this kernel starts): with the
+// GEMV's weight loads for two rows ahead of the wait, GEMVs read stale x on the H200 and the
+// specialized step's logits drifted to 1.2 rel L2 from the stock step's.
+__device__ __forceinline__ uint4 ld_act128(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
 // Word i (compile-time after unrolling) of a 16-byte vector.
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
