@@ -32,9 +32,28 @@ __device__ void group_pairs(GroupScratch<kMaxExperts, kMaxPairs>& sm,
     if (local) atomicAdd(&sm.count[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive prefix over <= 1024 experts: cheap next to the GEMMs
-    int run = 0, active = 0;
-    for (int e = 0; e < E; ++e) {
+  if (threadIdx.x < 32) {  // exclusive prefix over <= 1024 experts by warp 0: a lane per range
+    const int lane = static_cast<int>(threadIdx.x);
+    const int per = (E + 31) / 32;
+    const int e_lo = min(E, lane * per), e_hi = min(E, e_lo + per);
+    int c_sum = 0, a_sum = 0;  // the range's pairs and active experts
+    for (int e = e_lo; e < e_hi; ++e) {
+      const int c = sm.count[e];
+      c_sum += c;
+      a_sum += c > 0;
+    }
+    int c_in = c_sum, a_in = a_sum;  // inclusive scans over the lanes
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int cu = __shfl_up_sync(0xffffffffu, c_in, o);
+      const int au = __shfl_up_sync(0xffffffffu, a_in, o);
+      if (lane >= o) {
+        c_in += cu;
+        a_in += au;
+      }
+    }
+    int run = c_in - c_sum, active = a_in - a_sum;
+    for (int e = e_lo; e < e_hi; ++e) {
       const int c = sm.count[e];
       if (!compact) {
         slot_offsets[e] = run;
@@ -47,9 +66,11 @@ __device__ void group_pairs(GroupScratch<kMaxExperts, kMaxPairs>& sm,
       sm.count[e] = run;
       run += c;
     }
-    slot_offsets[E] = run;
-    sm.n_active = active;
-    sm.count[E] = run;
+    if (lane == 31) {  // its inclusive sums are the totals
+      slot_offsets[E] = c_in;
+      sm.n_active = a_in;
+      sm.count[E] = c_in;
+    }
   }
   __syncthreads();
   if (compact)  // the unused tail: empty slots at the end of the pairs

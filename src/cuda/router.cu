@@ -1,9 +1,9 @@
-// Router top-k, one CTA of 8 warps per row, in two phases of warp argmax rounds (redux.sync:
-// max value, then min id among its holders). Phase 1: each warp picks the top_k of its strided
-// eighth of the experts, held 4 per lane in registers; phase 2: warp 0 picks the
-// top_k of the 8 x top_k candidates (the global top_k are among them). A round rescans only the
-// winner lane's registers, so 2 x top_k short rounds replace one warp rescanning E / 32 values
-// from shared memory per round (measured: the 93-layer rank's router stage 5.6 -> 4.1 ms).
+// Router top-k, one CTA of 1024 threads per row, one expert per thread: a radix select finds
+// the top_k-th largest choice score (32 CTA-wide counts, one per key bit, most significant
+// first), every thread then knows whether its expert is in (above the threshold, or at it among
+// the lowest ids: cpu::route's order is value desc, id asc), the picks are compacted by prefix
+// counts, and one warp sorts them into pick order. The earlier version (2 x top_k rounds of warp
+// argmax) took 10.8 us alone and 16-23 us inside the decode step (bench/RESULTS.md).
 #include "cuda/router.h"
 
 #include <cmath>
@@ -21,102 +21,85 @@ using detail::sigmoid_ref;
 
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxTopK = 32;
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kPerLane = kMaxExperts / kThreads;      // phase 1 registers per lane
-constexpr int kCandPerLane = kWarps * kMaxTopK / 32;  // phase 2 registers per lane
-constexpr int kNone = 0x7fffffff;                     // id of an empty register
+constexpr int kThreads = kMaxExperts;  // one expert per thread
+constexpr int kWarps = kThreads / 32;
 
-// A float's order as an unsigned key (larger float, larger key; -inf lowest of the finite
-// order). Choice scores are sigmoid + bias: never -0, so +0 / -0 never tie differently.
+// A float's order as an unsigned key (larger float, larger key). Choice scores are sigmoid +
+// bias: never -0, so +0 / -0 never tie differently. NaN (and a thread past E) gets key 0, below
+// every number's key (-inf's is 0x007fffff), so it is never picked over a number.
 __device__ __forceinline__ unsigned ordered_key(float v) {
   const unsigned u = __float_as_uint(v);
+  if (isnan(v)) return 0u;
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ __forceinline__ float key_value(unsigned k) {
-  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
-}
-
-// The lane's best (value, id) of its N registers, (value desc, id asc) as cpu::route orders;
-// taken or empty registers hold -inf / kNone. j: its register.
-template <int N>
-__device__ __forceinline__ void lane_best(const float (&v)[N], const int (&id)[N], float& bv,
-                                          int& bi, int& bj) {
-  bv = -INFINITY;
-  bi = kNone;
-  bj = 0;
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-    if (v[j] > bv || (v[j] == bv && id[j] < bi)) {
-      bv = v[j];
-      bi = id[j];
-      bj = j;
-    }
-}
-
-// top_k rounds of warp argmax over the lanes' registers; pick k lands in (out_v[k], out_i[k])
-// through `emit` (called by lane 0). Registers of picked entries become -inf / kNone.
-template <int N, class Emit>
-__device__ __forceinline__ void warp_topk(float (&v)[N], int (&id)[N], int top_k, int lane,
-                                          Emit emit) {
-  float bv;
-  int bi, bj;
-  lane_best(v, id, bv, bi, bj);
-  for (int k = 0; k < top_k; ++k) {
-    const unsigned key = ordered_key(bv);
-    const unsigned best = __reduce_max_sync(0xffffffffu, key);
-    const int i = static_cast<int>(
-        __reduce_min_sync(0xffffffffu, key == best ? static_cast<unsigned>(bi) : 0xffffffffu));
-    if (lane == 0) emit(k, key_value(best), i);
-    if (bi == i && i != kNone) {  // the owner (ids are distinct) drops it and rescans
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (j == bj) v[j] = -INFINITY, id[j] = kNone;
-      lane_best(v, id, bv, bi, bj);
-    }
+// Exclusive prefix count of `flag` over the CTA's threads in thread order (every thread calls
+// it; warp_tot: kWarps ints of shared memory). Returns the rank; *total gets the count.
+__device__ __forceinline__ int cta_rank(bool flag, int* warp_tot, int* total) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const unsigned m = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) warp_tot[w] = __popc(m);
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int q = 0; q < kWarps; ++q) {
+    const int c = warp_tot[q];
+    before += q < w ? c : 0;
+    all += c;
   }
+  __syncthreads();  // warp_tot is reused by the next call
+  *total = all;
+  return before + __popc(m & ((1u << lane) - 1u));
 }
 
 __global__ void __launch_bounds__(kThreads)
     router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E,
                   int top_k, bool renormalize, float scaling, int32_t* __restrict__ ids,
                   float* __restrict__ weights, const RouterGrouping g) {
-  K3_PDL_ENTRY();
+  detail::pdl_launch_dependents();
   // logits [rows][E]; bias [E] or null; ids / weights [rows][top_k]; one CTA per row.
-  __shared__ float cand_v[kWarps * kMaxTopK];
-  __shared__ int cand_i[kWarps * kMaxTopK];
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const int64_t row = blockIdx.x;
   const float* lg = logits + row * E;
 
-  // Phase 1: thread t holds experts t, t + 256, ... (choice score = sigmoid + bias).
-  float v[kPerLane];
-  int id[kPerLane];
-#pragma unroll
-  for (int j = 0; j < kPerLane; ++j) {
-    const int e = j * kThreads + static_cast<int>(threadIdx.x);
-    v[j] = e < E ? sigmoid_ref(lg[e]) + (bias ? bias[e] : 0.0f) : -INFINITY;
-    id[j] = e < E ? e : kNone;
+  __shared__ int warp_tot[kWarps];
+  __shared__ unsigned pick_key[kMaxTopK];
+  __shared__ int pick_id[kMaxTopK];
+  const int e = static_cast<int>(threadIdx.x);
+  // The bias is a weight: read before waiting for the router GEMM, off the critical path.
+  const float b = e < E && bias ? bias[e] : 0.0f;
+  detail::pdl_wait();
+  const unsigned key = e < E ? ordered_key(sigmoid_ref(lg[e]) + b) : 0u;
+
+  // The top_k-th largest key: the largest t with at least top_k keys >= t, bit by bit.
+  unsigned t = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const unsigned c = t | (1u << bit);
+    if (__syncthreads_count(key >= c) >= top_k) t = c;
   }
-  warp_topk(v, id, top_k, lane, [&](int k, float val, int i) {
-    cand_v[w * top_k + k] = val;
-    cand_i[w * top_k + k] = i;
-  });
+  // In: above t, or at t among the lowest ids (ids are thread order).
+  const int n_gt = __syncthreads_count(key > t);
+  int n_eq = 0;
+  const int eq_rank = cta_rank(key == t, warp_tot, &n_eq);
+  const bool in = e < E && (key > t || (key == t && eq_rank < top_k - n_gt));
+  int n_in = 0;
+  const int slot = cta_rank(in, warp_tot, &n_in);
+  if (in) {
+    pick_key[slot] = key;
+    pick_id[slot] = e;
+  }
   __syncthreads();
 
-  if (w == 0) {  // Phase 2: warp 0 over the 8 x top_k candidates.
-    float cv[kCandPerLane];
-    int ci[kCandPerLane];
-    const int n_cand = kWarps * top_k;
-#pragma unroll
-    for (int j = 0; j < kCandPerLane; ++j) {
-      const int c = j * 32 + lane;
-      cv[j] = c < n_cand ? cand_v[c] : -INFINITY;
-      ci[j] = c < n_cand ? cand_i[c] : kNone;
+  if (w == 0) {  // pick order: value desc, id asc (the top_k picks are distinct experts)
+    const unsigned my_key = lane < top_k ? pick_key[lane] : 0u;
+    const int my_raw = lane < top_k ? pick_id[lane] : 0;
+    int rank = 0;
+    for (int q = 0; q < top_k; ++q) {
+      const unsigned kq = __shfl_sync(0xffffffffu, my_key, q);
+      const int iq = __shfl_sync(0xffffffffu, my_raw, q);
+      rank += kq > my_key || (kq == my_key && iq < my_raw);
     }
     __shared__ int pick_s[kMaxTopK];
-    warp_topk(cv, ci, top_k, lane, [&](int k, float, int i) { pick_s[k] = i; });
+    if (lane < top_k) pick_s[rank] = my_raw;
     __syncwarp();
     const int my_id = lane < top_k ? pick_s[lane] : 0;
     // The weight uses s without the bias (one load per pick, all lanes at once).
@@ -133,19 +116,25 @@ __global__ void __launch_bounds__(kThreads)
   if (!g.done) return;
 
   // Fused grouping: the last CTA to count itself in groups every row's pairs (the fence makes
-  // this CTA's ids visible before its count; the last one reads all of them through L2).
+  // this CTA's ids visible before its count; the last one reads all of them through L2). A
+  // single row's CTA is the last by itself: the barrier makes its own ids visible to it, and the
+  // fence and count (two more memory round trips on the MoE's critical path) are skipped.
   __shared__ detail::GroupScratch<kMaxExperts, kMaxRouterGroupedPairs> sm;
   __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(g.done, 1) == static_cast<int>(gridDim.x) - 1;
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (gridDim.x == 1) {
+    __syncthreads();
+  } else {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(g.done, 1) == static_cast<int>(gridDim.x) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  }
   detail::group_pairs(sm, ids, static_cast<int>(gridDim.x) * top_k, top_k, g.local.begin,
                       g.local.count, g.slot_expert, g.slot_offsets, g.row_index, g.position,
                       /*compact=*/true);
-  if (threadIdx.x == 0) *g.done = 0;  // ready for the next launch (graph replays included)
+  if (threadIdx.x == 0 && gridDim.x > 1) *g.done = 0;  // ready for the next launch (replays too)
 }
 
 }  // namespace
