@@ -3,7 +3,10 @@
 // bits. The mixed vector then stays in registers: it is rounded to bf16, its sum of squares
 // reduces warp -> CTA -> cluster (rank order) like the scores did, and every CTA scales its
 // slice. Compared with attn_res_mix + rms_norm this saves a launch, h's round trip through
-// memory and the norm's single-CTA-per-row reduction.
+// memory and the norm's single-CTA-per-row reduction. Each cluster reduction pushes a rank's
+// sums into every CTA and then syncs once (two cluster barriers in all, where reading the
+// ranks' sums remotely took three), and the weights are read before waiting on the previous
+// kernel.
 #include "cuda/attn_res_norm.h"
 
 #include <cooperative_groups.h>
@@ -47,10 +50,13 @@ __global__ void __launch_bounds__(kMaxThreads)
                          const float* score_w, int hidden, float eps, const float* norm_w,
                          __nv_bfloat16* x_out, int64_t x_stride, __nv_bfloat16* h_out,
                          int64_t h_stride, bool vec) {
-  K3_PDL_ENTRY();
   // sources s.src[j]: [rows, hidden] bf16; score_w, norm_w: [hidden] fp32 (norm_w may be null);
   // x_out: [rows, hidden] bf16; h_out: [rows, hidden] bf16 or null
+  detail::pdl_launch_dependents();
   cg::cluster_group cluster = cg::this_cluster();
+  // Arrive now, wait before the first push into another CTA's shared memory (which must have
+  // started): by then every CTA has long arrived, so the wait costs nothing.
+  cluster.barrier_arrive();
   const int C = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t row = blockIdx.x / C;
@@ -58,15 +64,30 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int nwarps = blockDim.x >> 5;
 
   __shared__ float red[kMaxThreads / 32][2 * kMaxS];  // per-warp partials: ss then dot
-  __shared__ float part[2 * kMaxS];                   // this CTA's sums (read by the cluster)
-  __shared__ float total[2 * kMaxS];                  // the row's sums
-  __shared__ float red_h[kMaxThreads / 32];           // per-warp sum of h^2
-  __shared__ float part_h;                            // this CTA's sum of h^2 (cluster-read)
-  __shared__ float total_h;                           // the row's sum of h^2
+  // Each rank's sums, pushed by that rank into every CTA of the cluster (one barrier, then
+  // local reads, instead of a barrier, remote reads and a barrier to keep the CTAs alive).
+  __shared__ float part[8][2 * kMaxS];
+  __shared__ float total[2 * kMaxS];         // the row's sums
+  __shared__ float red_h[kMaxThreads / 32];  // per-warp sum of h^2
+  __shared__ float part_h[8];                // each rank's sum of h^2 (pushed)
 
   const int e0 = (rank * blockDim.x + threadIdx.x) * 8;  // first element of this thread's vector
   const bool live = e0 < hidden;
   const int nvalid = live ? min(8, hidden - e0) : 0;
+
+  // The score and norm weights first: they do not depend on the previous kernel.
+  float w[8], nw[8];
+  if (live)
+    detail::load_f32x8(score_w + e0, vec, nvalid, w);
+  else
+#pragma unroll
+    for (int k = 0; k < 8; ++k) w[k] = 0.0f;
+  if (live && norm_w)
+    detail::load_f32x8(norm_w + e0, vec, nvalid, nw);
+  else
+#pragma unroll
+    for (int k = 0; k < 8; ++k) nw[k] = 1.0f;
+  detail::pdl_wait();
 
   // ---- Mix (as attn_res_kernel) ----
   uint4 v[kMaxS];
@@ -74,12 +95,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int j = 0; j < kMaxS; ++j)
     v[j] = (j < n && live) ? load_raw8(s.src[j] + row * row_stride + e0, vec, nvalid)
                            : make_uint4(0, 0, 0, 0);
-  float w[8];
-  if (live)
-    detail::load_f32x8(score_w + e0, vec, nvalid, w);
-  else
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = 0.0f;
 
 #pragma unroll
   for (int j = 0; j < kMaxS; ++j) {
@@ -100,17 +115,18 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
   __syncthreads();
+  cluster.barrier_wait();  // every CTA has started: pushes may go out
   if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
     float t = 0.0f;
     for (int q = 0; q < nwarps; ++q) t += red[q][threadIdx.x];
-    part[threadIdx.x] = t;
+    for (int q = 0; q < C; ++q) *cluster.map_shared_rank(&part[rank][threadIdx.x], q) = t;
   }
-  cluster.sync();  // every CTA's part[] is written
+  cluster.sync();  // every rank's sums have landed here
   if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
-    total[threadIdx.x] = detail::cluster_sum_in_order(cluster, part + threadIdx.x, C);
+    float t = 0.0f;  // in rank order (cluster_sum_in_order's bits)
+    for (int q = 0; q < C; ++q) t += part[q][threadIdx.x];
+    total[threadIdx.x] = t;
   }
-  // total[] visible in this CTA. No CTA exits (or rewrites part[]) before the two cluster
-  // syncs of the norm below, so the remote reads above need no cluster barrier of their own.
   __syncthreads();
 
   float p[kMaxS];
@@ -145,12 +161,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
 
   // ---- RMSNorm of the bf16-rounded h ----
-  float nw[8];  // issued now: its latency hides behind the reduction
-  if (live && norm_w)
-    detail::load_f32x8(norm_w + e0, vec, nvalid, nw);
-  else
-#pragma unroll
-    for (int k = 0; k < 8; ++k) nw[k] = 1.0f;
   float h[8];
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -166,18 +176,16 @@ __global__ void __launch_bounds__(kMaxThreads)
   hs = detail::warp_sum(hs);
   if (lane == 0) red_h[warp] = hs;
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < C) {  // thread q pushes this rank's sum to rank q
     float t = 0.0f;
     for (int q = 0; q < nwarps; ++q) t += red_h[q];
-    part_h = t;
+    *cluster.map_shared_rank(&part_h[rank], static_cast<int>(threadIdx.x)) = t;
   }
-  cluster.sync();  // every CTA's part_h is written
-  if (threadIdx.x == 0) {
-    total_h = detail::cluster_sum_in_order(cluster, &part_h, C);
-  }
-  cluster.sync();  // remote reads done (no CTA leaves while others read it); total_h visible
+  cluster.sync();  // every rank's sum has landed; no remote access follows, so CTAs may leave
 
   if (!live) return;
+  float total_h = 0.0f;  // in rank order
+  for (int q = 0; q < C; ++q) total_h += part_h[q];
   const float inv = 1.0f / sqrtf(total_h / static_cast<float>(hidden) + eps);
   float x[8];
 #pragma unroll
