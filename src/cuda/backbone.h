@@ -79,6 +79,14 @@ struct SpecializedTuning {
   // q = 4 verify step (4 rows) took 18.06 ms without them (run 21) and 17.10-18.43 ms with them
   // in runs 17-20: not decided, nor are 2..7 rows.
   int narrow_rows = 1;
+  // With the folded MoE residual: the side stream (shared experts) joins the main one before the
+  // combine instead of before the latent up-projection, so the latent up follows the combine by
+  // a programmatic edge and streams its first weight rows while the routed experts finish (the
+  // join's plain edge otherwise held its launch until the combine ended: kernel trace of run 22).
+  bool join_before_combine = true;
+  // The expert down-projection reads its slot arrays and requests its first weight chunks
+  // before waiting on w1|w3 (Mxfp4Grouped::slots_ready).
+  bool early_down_weights = true;
   bool pdl_for(int64_t rows) const { return pdl && rows <= narrow_rows; }
   bool glu_in_down_proj_for(int64_t rows) const { return glu_in_down_proj && rows <= narrow_rows; }
   bool fold_moe_residual_for(int64_t rows) const {

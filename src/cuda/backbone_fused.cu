@@ -268,15 +268,18 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
                   stream_);
   }
   // The down-projection applies the GLU as it stages its input (one launch fewer), where the
-  // kernel takes these operands (MXFP4, fused w1|w3 output rows); else GLU, then the GEMM.
+  // kernel takes these operands (MXFP4, fused w1|w3 output rows); else GLU, then the GEMM. Its
+  // slot arrays were complete before w1|w3 began: it streams its first weights early.
+  ExpertGroups eg_down = eg;
+  eg_down.slots_ready = opt_.tuning.early_down_weights;
   if (!(m.w13 && opt_.tuning.glu_in_down_proj_for(R) &&
-        expert_down_glu(m, eg, act, b.moe_gu32.data(), 2 * I, I, expert_out(), expert_out_fp32(),
-                        stream_))) {
+        expert_down_glu(m, eg_down, act, b.moe_gu32.data(), 2 * I, I, expert_out(),
+                        expert_out_fp32(), stream_))) {
     const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
     const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
     const int64_t gu_ld = m.w13 ? 2 * I : I;
     glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
-    expert_linear(m.expert_format, m.w2, m.w2_scales, eg, false, b.moe_h.data(), I, L, I,
+    expert_linear(m.expert_format, m.w2, m.w2_scales, eg_down, false, b.moe_h.data(), I, L, I,
                   expert_out(), expert_out_fp32(), stream_);
   }
 
@@ -284,12 +287,18 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   const auto [y, y_pos] = routed_outputs(R, L);
   const bool up = !m.latent_up.empty();
   __nv_bfloat16* routed = up ? b.moe_acc.data() : b.moe_routed.data();
+  const bool fold = up && opt_.tuning.fold_moe_residual_for(R);
+  const bool early_join = fold && shared && opt_.tuning.join_before_combine;
+  if (early_join) {
+    join_side();
+    finish_shared(R);
+  }
   moe_combine(y, b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr, cfg_.rms_norm_eps,
               routed, stream_, y_pos);
-  if (up && opt_.tuning.fold_moe_residual_for(R)) {
+  if (fold) {
     // The latent up-projection's store adds the shared experts' output (sub = routed + shared)
     // and the layer's residual (P += sub), rounding as the separate adds.
-    if (shared) {
+    if (shared && !early_join) {
       join_side();
       finish_shared(R);
     }

@@ -51,6 +51,7 @@ Mxfp4Grouped mxfp4_groups(const void* const* w, const uint8_t* const* scales,
   g.n_slots = eg.n_slots;
   g.max_rows_per_slot = eg.max_rows;
   g.expected_active = eg.expected_active;
+  g.slots_ready = eg.slots_ready;
   return g;
 }
 

@@ -25,7 +25,8 @@ struct ExpertGroups {
   const int32_t* offsets = nullptr;      // [n_slots + 1] device
   const int32_t* row_index = nullptr;    // [pairs] device
   int n_slots = 0, max_rows = 0;
-  int expected_active = 0;  // slots expected busy (the GEMM tiling's parallelism), 0: all
+  int expected_active = 0;   // slots expected busy (the GEMM tiling's parallelism), 0: all
+  bool slots_ready = false;  // Mxfp4Grouped::slots_ready (a launch after the first of a grouping)
 };
 
 // Expected distinct local experts `rows` rows touch (each picks top_k of E uniformly), as the

@@ -17,7 +17,11 @@ namespace k3::cuda::detail {
 template <class Dec>
 __global__ void __launch_bounds__(256)
     linear_fallback_kernel(const __grid_constant__ SkinnyArgs a) {
-  K3_PDL_ENTRY();
+  // Wait, then let the dependents start: a later grouped launch of the same grouping reads its
+  // slot arrays before its own wait (SkinnyArgs::slots_ready), which is sound only once this
+  // kernel's wait has returned (the tiled grouped kernel does the same).
+  pdl_wait();
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = blockIdx.x * 8 + warp;
   if (n >= a.n) return;

@@ -217,6 +217,7 @@ detail::SkinnyArgs grouped_args(const LinearPlan& p, const Mxfp4Grouped& g, cons
   a.slot_expert = g.slot_expert;
   a.slot_offsets = g.slot_offsets;
   a.row_index = g.row_index;
+  a.slots_ready = g.slots_ready ? 1 : 0;
   return a;
 }
 

@@ -40,6 +40,10 @@ struct Mxfp4Grouped {
   int max_rows_per_slot = 1;
   // Slots expected to hold rows, for the tiling (LinearPlan::active_groups); 0: all.
   int expected_active = 0;
+  // The slot arrays were complete before the kernel ahead of this launch began its work (an
+  // earlier grouped launch of the same grouping ran before it): under a programmatic edge the
+  // kernel then reads them and streams its first weights before waiting on that kernel.
+  bool slots_ready = false;
 };
 // x: [*, K] bf16, row stride ldx; y: [rows, N], row stride ldy (device). The expert pointers
 // are not checked on the host: they must meet the alignment above.

@@ -34,7 +34,11 @@ struct SkinnyArgs {
   const int32_t* slot_offsets = nullptr;  // [groups + 1]
   const int32_t* row_index = nullptr;     // [rows]: x row of each gathered row, or null (same)
   int n_slots = 0;                        // groups (the CTAs' y rows take turns over them)
-  const __nv_bfloat16* x = nullptr;       // [*, ldx] bf16
+  // Grouped: the slot arrays were complete before the previous kernel began its work (an earlier
+  // grouped launch of this grouping, which lets its dependents start only after its own wait),
+  // so they are read, and the first weights requested, before waiting on that kernel.
+  int slots_ready = 0;
+  const __nv_bfloat16* x = nullptr;  // [*, ldx] bf16
   int64_t ldx = 0;
   // Instead of x (tiled kernel only): x = bf16(glu(g, u)) computed while staging, g at
   // x_glu[row * ld_glu + k] and u glu_up elements further (fp32, 16-byte aligned rows).
@@ -123,7 +127,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
                                    w_lo + s, lane);
     cp_async_commit();
   }
-  if (!a.slot_expert) pdl_wait();  // x is the previous kernel's output
+  if (!a.slot_expert || a.slots_ready) pdl_wait();  // x is the previous kernel's output
   // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
   for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
     const int m = i / units, u = i % units;
@@ -152,7 +156,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
     } else {
       bool valid;
       const __nv_bfloat16* src = x_src(m, u, valid);
-      if (valid) v = ldg128(src);
+      if (valid) v = ld_act128(src);  // written by an earlier kernel: not __ldg
     }
     if constexpr (Fmt::kXPermute) v = permute_x8(v);
     sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
@@ -235,15 +239,20 @@ template <class Fmt, int NT, int MT>
 __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
-  pdl_launch_dependents();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int mx_max = min(a.m, 8 * NT);
   if (!a.slot_expert) {  // dense: x is read after the weight prologue (it waits there)
+    pdl_launch_dependents();
     skinny_tile<Fmt, NT, MT>(a, a.w, a.ws, mx_max, 0, smem);
     return;
   }
-  // Grouped launches read the expert of their slot from the previous kernel's output.
-  pdl_wait();
+  // A grouped launch reads the expert of its slot from an earlier kernel's output: from the
+  // previous kernel's (wait first), or, slots_ready, from one that completed before that kernel
+  // began (skinny_tile waits after its weight prologue). Either way its dependents are let go
+  // only once this kernel's slot arrays are known complete, so a later launch of the same
+  // grouping may set slots_ready.
+  if (!a.slots_ready) pdl_wait();
+  pdl_launch_dependents();
   __shared__ int busy_e[32], busy_off[32], busy_cnt[32];
   __shared__ int n_busy;
   const int stride = static_cast<int>(gridDim.y);
@@ -253,10 +262,10 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     if (warp == 0) {
       const int s = base + lane * stride;
       int e = -1, off = 0, cnt = 0;
-      if (s < a.n_slots) {
-        e = a.slot_expert[s];
-        off = a.slot_offsets[s];
-        cnt = a.slot_offsets[s + 1] - off;
+      if (s < a.n_slots) {  // through L2: this SM's L1 may hold a previous step's values
+        e = __ldcg(a.slot_expert + s);
+        off = __ldcg(a.slot_offsets + s);
+        cnt = __ldcg(a.slot_offsets + s + 1) - off;
       }
       const bool on = e >= 0 && cnt > 0;
       const unsigned m = __ballot_sync(0xffffffffu, on);

@@ -164,7 +164,12 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   // Every step wide (no PDL edges, GLU kernel, add kernels), whatever its rows.
   cuda::SpecializedTuning wide;
   wide.narrow_rows = 0;
-  for (const cuda::SpecializedTuning* tuning : {&t, &swapped, &swapped_ungrouped, &wide})
+  // The shared experts joined where the folded residual needs them (before the latent up).
+  cuda::SpecializedTuning late_join;
+  late_join.join_before_combine = !late_join.join_before_combine;
+  late_join.early_down_weights = !late_join.early_down_weights;
+  for (const cuda::SpecializedTuning* tuning :
+       {&t, &swapped, &swapped_ungrouped, &wide, &late_join})
     for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
       const auto d = teacher_forced(
           preset, [](int) { return StepPath::Specialized; }, tuning);
