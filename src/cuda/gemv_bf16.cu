@@ -6,7 +6,8 @@
 //
 // Layout. A CTA is 8 warps: ks k segments x (8 / ks) row lanes. A warp holds its segment of the
 // m x rows in registers (J 16-byte units per lane: lane l takes units l, l + 32, ...) and streams
-// rpw rows of W, the next row's loads in flight while the current one is summed. Partial dots meet
+// rpw rows of W, the next row's loads in flight while the current one is summed (the first two
+// rows are requested before waiting on the previous kernel). Partial dots meet
 // in fixed order: lanes by an xor tree, then the ks segments in shared memory, so a shape's result
 // does not depend on anything but its inputs and plan.
 #include "cuda/gemv_bf16.h"
@@ -70,7 +71,10 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     }
   };
   int row = row0 + row_lane;  // rows row0 + row_lane + i * row_lanes, i < rpw
-  load_row(w_cur, row);       // the first row's weights stream before x is ready
+  // The first two rows' weights stream before x is ready: behind a latency-bound kernel (a
+  // norm, the KDA step, the MoE combine) twice the bytes are in flight when it completes.
+  load_row(w_cur, row);
+  if (rpw > 1) load_row(w_next, row + row_lanes);
   pdl_wait();
   uint4 xv[M][J];  // [m, K] bf16: this warp's k segment of each token row (zero past m)
 #pragma unroll
@@ -78,10 +82,10 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int u = u_lo + lane + 32 * j;
-      xv[t][j] = t < mx && u < u_hi ? ldg128(a.x + t * a.ldx + u * 8) : make_uint4(0, 0, 0, 0);
+      xv[t][j] = t < mx && u < u_hi ? ld_act128(a.x + t * a.ldx + u * 8) : make_uint4(0, 0, 0, 0);
     }
   for (int i = 0; i < rpw; ++i) {
-    if (i + 1 < rpw) load_row(w_next, row + row_lanes);
+    if (i >= 1 && i + 1 < rpw) load_row(w_next, row + row_lanes);  // row i + 1 (1: loaded above)
     float acc[M];
 #pragma unroll
     for (int t = 0; t < M; ++t) {
