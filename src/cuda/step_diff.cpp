@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "cuda/backbone.h"
+#include "cuda/linear_plan.h"
 #include "model/loaded_model.h"
 
 namespace k3::cuda {
@@ -249,6 +250,8 @@ bool run_step_diff(const LoadedModel& model, const cli::StepDiffArgs& args, std:
   o.prompt = args.prompt;
   o.tolerance = args.tolerance;
   o.verbose = args.verbose;
+  // Before any GEMM runs: the plans of this process (cli::StepDiffArgs::measured_plans).
+  set_linear_tuning(args.measured_plans);
   return diff_specialized_vs_stock(model, o, out).passed();
 }
 

@@ -113,6 +113,9 @@ void register_diff(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::Range(0.0, 1e6));
   sub->add_flag("--verbose", o->args.verbose, "per-step logits distances and the greedy tokens");
+  sub->add_flag("--measured-plans", o->args.measured_plans,
+                "GEMM plans timed on the GPU, as the engine picks them (default: the planner's "
+                "model picks, so the report does not depend on timings)");
   sub->callback([o] { run_diff(*o); });
 }
 
