@@ -34,20 +34,15 @@ __device__ __forceinline__ unsigned ordered_key(float v) {
 }
 
 // Exclusive prefix count of `flag` over the CTA's threads in thread order (every thread calls
-// it; warp_tot: kWarps ints of shared memory). Returns the rank; *total gets the count.
-__device__ __forceinline__ int cta_rank(bool flag, int* warp_tot, int* total) {
+// it; warp_tot: kWarps ints of shared memory).
+__device__ __forceinline__ int cta_rank(bool flag, int* warp_tot) {
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   const unsigned m = __ballot_sync(0xffffffffu, flag);
   if (lane == 0) warp_tot[w] = __popc(m);
   __syncthreads();
-  int before = 0, all = 0;
-  for (int q = 0; q < kWarps; ++q) {
-    const int c = warp_tot[q];
-    before += q < w ? c : 0;
-    all += c;
-  }
+  int before = 0;
+  for (int q = 0; q < w; ++q) before += warp_tot[q];
   __syncthreads();  // warp_tot is reused by the next call
-  *total = all;
   return before + __popc(m & ((1u << lane) - 1u));
 }
 
@@ -78,11 +73,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   // In: above t, or at t among the lowest ids (ids are thread order).
   const int n_gt = __syncthreads_count(key > t);
-  int n_eq = 0;
-  const int eq_rank = cta_rank(key == t, warp_tot, &n_eq);
+  const int eq_rank = cta_rank(key == t, warp_tot);
   const bool in = e < E && (key > t || (key == t && eq_rank < top_k - n_gt));
-  int n_in = 0;
-  const int slot = cta_rank(in, warp_tot, &n_in);
+  const int slot = cta_rank(in, warp_tot);
   if (in) {
     pick_key[slot] = key;
     pick_id[slot] = e;
