@@ -22,7 +22,8 @@ bool has(const k3::test::CommandResult& r, const std::string& s) {
 }
 
 TEST(CliDiff, WithoutAGpuGivesAClearError) {
-  for (const std::string args : {"diff", "diff --model tiny-kimi-linear --steps 4"}) {
+  for (const std::string args :
+       {"diff", "diff --model tiny-kimi-linear --steps 4", "diff --measured-plans --steps 4"}) {
     const auto r = run_k3(args);
     EXPECT_EQ(r.status, 1) << args << ": " << r.output;
     EXPECT_TRUE(has(r, "k3 diff needs a CUDA GPU")) << args << ": " << r.output;
@@ -36,7 +37,7 @@ TEST(CliDiff, BadOptionsAreUsageErrors) {
   EXPECT_EQ(run_k3("diff --frobnicate").status, 2);
   const auto h = run_k3("diff --help");
   EXPECT_EQ(h.status, 0) << h.output;
-  for (const char* opt : {"--model", "--steps", "--prompt", "--tolerance"})
+  for (const char* opt : {"--model", "--steps", "--prompt", "--tolerance", "--measured-plans"})
     EXPECT_TRUE(has(h, opt)) << opt << " missing from:\n" << h.output;
 }
 
