@@ -26,6 +26,7 @@ namespace cg = cooperative_groups;
 using detail::aligned16;
 constexpr int kMaxS = AttnResSources::kMax;
 constexpr int kMaxThreads = 512;
+constexpr int kMaxCluster = 8;  // CTAs per row (attn_res_mix_norm's cluster shape)
 
 __device__ __forceinline__ float bf_lo(uint32_t w) {
   return __uint_as_float(w << 16);
@@ -66,10 +67,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ float red[kMaxThreads / 32][2 * kMaxS];  // per-warp partials: ss then dot
   // Each rank's sums, pushed by that rank into every CTA of the cluster (one barrier, then
   // local reads, instead of a barrier, remote reads and a barrier to keep the CTAs alive).
-  __shared__ float part[8][2 * kMaxS];
+  __shared__ float part[kMaxCluster][2 * kMaxS];
   __shared__ float total[2 * kMaxS];         // the row's sums
   __shared__ float red_h[kMaxThreads / 32];  // per-warp sum of h^2
-  __shared__ float part_h[8];                // each rank's sum of h^2 (pushed)
+  __shared__ float part_h[kMaxCluster];      // each rank's sum of h^2 (pushed)
 
   const int e0 = (rank * blockDim.x + threadIdx.x) * 8;  // first element of this thread's vector
   const bool live = e0 < hidden;
@@ -217,7 +218,7 @@ void attn_res_mix_norm(const AttnResSources& sources, int n_sources, int64_t row
   // The cluster shape of attn_res_mix (the mix's bits depend on it): C CTAs of T threads, one
   // 8-element vector per thread.
   const int64_t nv = (hidden + 7) / 8;
-  const int C = static_cast<int>(std::clamp<int64_t>((nv + 127) / 128, 1, 8));
+  const int C = static_cast<int>(std::clamp<int64_t>((nv + 127) / 128, 1, kMaxCluster));
   const int64_t T = ((nv + C - 1) / C + 31) / 32 * 32;
   K3_CHECK(T <= kMaxThreads, "cuda::attn_res_mix_norm: hidden ", hidden, " above the ",
            8 * kMaxThreads * 8, " this kernel holds in registers");
