@@ -161,6 +161,11 @@ double time_step(cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
   return median_ms(ms);
 }
 
+// Every row's slot back to a ctx-long context (caches and positions) before a timing.
+void rewind(cuda::CudaBackbone& bb, int rows, int64_t ctx) {
+  for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+}
+
 #ifdef K3_HAVE_CUPTI
 using Tracer = bench::KernelTrace;
 #else
@@ -170,19 +175,18 @@ struct Tracer {};
 // One more replay of the captured step, from a cold L2, with its kernels' timeline printed
 // (--trace): the summary by kernel, then layers 1..3 (from the second AttnRes mix + norm, the
 // first layer's attention input, to the eighth).
-void trace_step(Tracer* tracer, cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
+void trace_step(Tracer& tracer, cuda::CudaBackbone& bb, const std::vector<int32_t>& slots,
                 const std::vector<int32_t>& toks, cuda::StepPath path, const std::string& title,
                 cuda::DeviceBuffer<uint8_t>& flush) {
-  if (!tracer) return;
 #ifdef K3_HAVE_CUPTI
   flush.fill_bytes(0x5a, bb.stream());
   K3_CUDA_CHECK(cudaDeviceSynchronize());
-  tracer->clear();
+  tracer.clear();
   bb.step(slots, toks, path);
   K3_CUDA_CHECK(cudaDeviceSynchronize());
-  bench::print_trace(tracer->take(), title, "attn_res_norm_kernel", 1, 7);
+  bench::print_trace(tracer.take(), title, "attn_res_norm_kernel", 1, 7);
 #else
-  (void)bb, (void)slots, (void)toks, (void)path, (void)title, (void)flush;
+  (void)tracer, (void)bb, (void)slots, (void)toks, (void)path, (void)title, (void)flush;
 #endif
 }
 
@@ -396,7 +400,7 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
   };
   const auto timed = [&](const Tuning& t) {
     bb.set_specialized_tuning(t);
-    for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+    rewind(bb, rows, ctx);
     return time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
   };
   const auto print = [&](double ms, double base, const std::string& what) {
@@ -429,7 +433,7 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
     print(median_ms(c), median_ms(d), "combined: " + won);
   }
   bb.set_specialized_tuning(def);
-  for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+  rewind(bb, rows, ctx);
   std::printf("%-12s %6d %8lld %10.3f   (defaults recaptured after the flips)\n", "spec-again",
               rows, static_cast<long long>(ctx),
               time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush));
@@ -554,7 +558,7 @@ int run(const Args& a) {
       for (const auto& name : a.paths) {
         const cuda::StepPath path =
             name == "specialized" ? cuda::StepPath::Specialized : cuda::StepPath::Stock;
-        for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+        rewind(bb, rows, ctx);
         const double med = time_step(bb, slots, toks, path, a.replays, flush);
         const bool finite = finite_logits(bb, rows, V);
         (path == cuda::StepPath::Stock ? row.stock : row.spec) = med;
@@ -563,19 +567,22 @@ int run(const Args& a) {
                     bytes / (med * 1e-3) / 1e9, finite ? "logits finite" : "NON-FINITE LOGITS");
         std::fflush(stdout);
         if (!finite) return 1;
-        for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
-        trace_step(tracer.get(), bb, slots, toks, path,
-                   name + " batch " + std::to_string(rows) + " ctx " + std::to_string(ctx), flush);
+        if (tracer) {
+          rewind(bb, rows, ctx);
+          trace_step(*tracer, bb, slots, toks, path,
+                     name + " batch " + std::to_string(rows) + " ctx " + std::to_string(ctx),
+                     flush);
+        }
         if (path == cuda::StepPath::Specialized && a.tuning && rows == a.batches.front()) {
           // The same graphs timed again at once: run 17 timed the headline 7% above the defaults
           // between the flips (recaptured graphs); this line separates order from capture.
-          for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+          rewind(bb, rows, ctx);
           std::printf("%-12s %6d %8lld %10.3f   (the same graphs timed again)\n", "spec-again",
                       rows, static_cast<long long>(ctx),
                       time_step(bb, slots, toks, path, a.replays, flush));
         }
         if (a.profile) {
-          for (int r = 0; r < rows; ++r) bb.assume_context(r, ctx);
+          rewind(bb, rows, ctx);
           std::string p = "  " + name + " batch " + std::to_string(rows) + " ctx " +
                           std::to_string(ctx) + " per stage (ms):";
           for (const auto& st : bb.profile_step(slots, toks, path, 5)) {

@@ -73,11 +73,6 @@ __device__ __forceinline__ uint2 lds64(const void* p) {
 __device__ __forceinline__ void sts128(void* p, uint4 v) {
   *static_cast<uint4*>(p) = v;
 }
-// Non-coherent 16-byte global load (read-only for the kernel's lifetime).
-__device__ __forceinline__ uint4 ldg128(const void* p) {
-  return __ldg(reinterpret_cast<const uint4*>(p));
-}
-
 // A 16-byte load of data an earlier kernel of the step wrote (an activation): coherent at L2,
 // and, being volatile asm, kept after griddepcontrol.wait. __ldg (ld.global.nc) is only for data
 // that is read-only for the kernel's whole lifetime, which an activation is not under a
