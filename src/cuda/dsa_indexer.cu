@@ -58,11 +58,13 @@ __device__ __forceinline__ float warp_amax(const float* x, int B) {
   return m;
 }
 
-__global__ void key_append_kernel(const __nv_bfloat16* __restrict__ key, int hd,
+// Activations, caches, page tables, positions and lengths: no __restrict__ (PDL: their producer
+// may still run when a kernel starts, so no ld.global.nc; see mma.cuh ld_act128). Weights keep it.
+__global__ void key_append_kernel(const __nv_bfloat16* key, int hd,
                                   const float* __restrict__ norm_w,
                                   const float* __restrict__ norm_b, float eps,
-                                  const int32_t* __restrict__ block_table, int max_pages,
-                                  const int32_t* __restrict__ position, int page_size,
+                                  const int32_t* block_table, int max_pages,
+                                  const int32_t* position, int page_size,
                                   uint8_t* __restrict__ key_cache,
                                   float* __restrict__ scale_cache) {
   K3_PDL_ENTRY();
@@ -120,13 +122,10 @@ __global__ void key_append_kernel(const __nv_bfloat16* __restrict__ key, int hd,
 // KPL: key values per lane (hd / 32), so each lane dequantizes its part of a key once into
 // registers and reuses it for every head.
 template <int KPL>
-__global__ void scores_kernel(const __nv_bfloat16* __restrict__ q,
-                              const __nv_bfloat16* __restrict__ head_w, float head_scale, int nh,
-                              int hd, const uint8_t* __restrict__ key_cache,
-                              const float* __restrict__ scale_cache,
-                              const int32_t* __restrict__ block_table, int max_pages,
-                              const int32_t* __restrict__ seq_len, int page_size,
-                              float* __restrict__ scores, int64_t max_tokens) {
+__global__ void scores_kernel(const __nv_bfloat16* q, const __nv_bfloat16* head_w, float head_scale,
+                              int nh, int hd, const uint8_t* key_cache, const float* scale_cache,
+                              const int32_t* block_table, int max_pages, const int32_t* seq_len,
+                              int page_size, float* __restrict__ scores, int64_t max_tokens) {
   K3_PDL_ENTRY();
   extern __shared__ float sq[];  // [nh][hd] dequantized rotated queries, then [nh] head weights
   float* sw = sq + nh * hd;
@@ -219,8 +218,7 @@ __device__ __forceinline__ int block_exclusive_count(bool flag, int* scratch, in
   return r;
 }
 
-__global__ void topk_kernel(const float* __restrict__ scores, int64_t stride,
-                            const int32_t* __restrict__ seq_len, int topk,
+__global__ void topk_kernel(const float* scores, int64_t stride, const int32_t* seq_len, int topk,
                             int32_t* __restrict__ selected, int32_t* __restrict__ n_selected) {
   K3_PDL_ENTRY();
   __shared__ int hist[256];

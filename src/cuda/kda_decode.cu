@@ -97,13 +97,14 @@ __device__ __forceinline__ float butterfly_lane0(const float* w) {
   return v[0];
 }
 
+// u, f, beta_logit, z and slot_of_row: no __restrict__ (PDL: their producer may still run when
+// this kernel starts, so no ld.global.nc; see mma.cuh ld_act128).
 template <int D, typename StateT>
 __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs)
-    kda_decode_kernel(const __nv_bfloat16* __restrict__ u, const __nv_bfloat16* __restrict__ f,
-                      const __nv_bfloat16* __restrict__ beta_logit,
-                      const __nv_bfloat16* __restrict__ z, KdaDecodeWeights w,
-                      const int32_t* __restrict__ slot_of_row, __nv_bfloat16* conv_state,
-                      StateT* state, __nv_bfloat16* __restrict__ out, int heads, int kernel,
+    kda_decode_kernel(const __nv_bfloat16* u, const __nv_bfloat16* f,
+                      const __nv_bfloat16* beta_logit, const __nv_bfloat16* z, KdaDecodeWeights w,
+                      const int32_t* slot_of_row, __nv_bfloat16* conv_state, StateT* state,
+                      __nv_bfloat16* __restrict__ out, int heads, int kernel,
                       KdaDecodeStrides ld,  // strides resolved (all non-zero)
                       KdaSnapshots snap) {
   K3_PDL_ENTRY();

@@ -14,10 +14,11 @@ using namespace detail;
 
 constexpr int kThreads = 128;  // 4 warps
 
-__global__ void append_kernel(LatentFormat fmt, const __nv_bfloat16* __restrict__ kv, int kvl,
-                              int rope, const int32_t* __restrict__ block_table, int max_pages,
-                              const int32_t* __restrict__ position, int page_size,
-                              uint8_t* __restrict__ cache, int64_t entry_bytes) {
+// kv, the cache, page tables, positions and lengths: no __restrict__ (PDL: their producer may
+// still run when a kernel starts, so no ld.global.nc; see mma.cuh ld_act128).
+__global__ void append_kernel(LatentFormat fmt, const __nv_bfloat16* kv, int kvl, int rope,
+                              const int32_t* block_table, int max_pages, const int32_t* position,
+                              int page_size, uint8_t* __restrict__ cache, int64_t entry_bytes) {
   K3_PDL_ENTRY();
   const int64_t r = blockIdx.x;
   const int pos = position[r];
@@ -116,10 +117,10 @@ __device__ __forceinline__ float entry_value(LatentFormat fmt, const uint8_t* e,
   return 0.0f;
 }
 
-__global__ void to_bf16_kernel(LatentFormat fmt, const uint8_t* __restrict__ cache, int kvl,
-                               int rope, const int32_t* __restrict__ block_table, int max_pages,
-                               const int32_t* __restrict__ seq_len, int page_size,
-                               __nv_bfloat16* __restrict__ out, int64_t entry_bytes) {
+__global__ void to_bf16_kernel(LatentFormat fmt, const uint8_t* cache, int kvl, int rope,
+                               const int32_t* block_table, int max_pages, const int32_t* seq_len,
+                               int page_size, __nv_bfloat16* __restrict__ out,
+                               int64_t entry_bytes) {
   K3_PDL_ENTRY();
   const int p = blockIdx.x;
   const int64_t r = blockIdx.y;

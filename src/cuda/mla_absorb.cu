@@ -28,10 +28,13 @@ constexpr int kAbsThreads = 256;
 constexpr int kUvCols = 16;  // value columns per up-projection CTA (2 per warp)
 constexpr int kUvThreads = 256;
 
+// q, o_latent and gate: no __restrict__ (PDL: their producer may still run when a kernel starts,
+// so no ld.global.nc; see mma.cuh ld_act128). kv_b is a weight and keeps it.
+
 // ---- q_abs = W_uk^T q_nope per head ----
 __global__ void __launch_bounds__(kAbsThreads)
-    absorb_q_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kv_b,
-                    int64_t rows, int heads, int nope, int rope, int v, int kv_lora, bool vec,
+    absorb_q_kernel(const __nv_bfloat16* q, const __nv_bfloat16* __restrict__ kv_b, int64_t rows,
+                    int heads, int nope, int rope, int v, int kv_lora, bool vec,
                     __nv_bfloat16* __restrict__ q_abs, __nv_bfloat16* __restrict__ q_pe) {
   K3_PDL_ENTRY();
   // q [rows][heads][nope + rope]; kv_b [heads * (nope + v)][kv_lora];
@@ -88,9 +91,9 @@ __global__ void __launch_bounds__(kAbsThreads)
 
 // ---- o = W_uv o_latent per head (+ sigmoid gate) ----
 __global__ void __launch_bounds__(kUvThreads)
-    unabsorb_v_kernel(const float* __restrict__ o_latent, const __nv_bfloat16* __restrict__ kv_b,
-                      const __nv_bfloat16* __restrict__ gate, int64_t rows, int heads, int nope,
-                      int v, int kv_lora, bool vec, __nv_bfloat16* __restrict__ o) {
+    unabsorb_v_kernel(const float* o_latent, const __nv_bfloat16* __restrict__ kv_b,
+                      const __nv_bfloat16* gate, int64_t rows, int heads, int nope, int v,
+                      int kv_lora, bool vec, __nv_bfloat16* __restrict__ o) {
   K3_PDL_ENTRY();
   // o_latent [rows][heads][kv_lora] fp32; kv_b [heads * (nope + v)][kv_lora];
   // gate, o [rows][heads * v]. CTA = (head, 16 value columns, 8 rows); one warp per column.

@@ -79,13 +79,14 @@ __device__ __forceinline__ int split_tokens(int n, int splits) {
   return max(kMinSplit, per);
 }
 
+// Queries, the cache, page tables, lengths, selections and the split partials: no __restrict__
+// (PDL: their producer may still run when a kernel starts, so no ld.global.nc; see mma.cuh
+// ld_act128).
 __global__ void __launch_bounds__(kThreads)
-    mla_split_kernel(const __nv_bfloat16* __restrict__ q_abs,
-                     const __nv_bfloat16* __restrict__ q_pe,
-                     const __nv_bfloat16* __restrict__ cache,
-                     const int32_t* __restrict__ block_table, const int32_t* __restrict__ seq_len,
-                     const int32_t* __restrict__ selected, const int32_t* __restrict__ n_selected,
-                     int heads, int hpg, int page_size, int max_pages, int max_sel, float scale,
+    mla_split_kernel(const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
+                     const __nv_bfloat16* cache, const int32_t* block_table, const int32_t* seq_len,
+                     const int32_t* selected, const int32_t* n_selected, int heads, int hpg,
+                     int page_size, int max_pages, int max_sel, float scale,
                      float* __restrict__ ws_acc, float* __restrict__ ws_ml) {
   K3_PDL_ENTRY();
   // q_abs [rows][heads][512] bf16; q_pe [rows][heads][64] bf16; cache [pages][page_size][576];
@@ -252,9 +253,9 @@ constexpr int kMaxSplits = 1024;
 
 template <bool kBf16Out>
 __global__ void __launch_bounds__(kCombineThreads)
-    mla_combine_kernel(const float* __restrict__ ws_acc, const float* __restrict__ ws_ml,
-                       const int32_t* __restrict__ seq_len, const int32_t* __restrict__ n_selected,
-                       int heads, int splits, void* __restrict__ out, float* __restrict__ lse) {
+    mla_combine_kernel(const float* ws_acc, const float* ws_ml, const int32_t* seq_len,
+                       const int32_t* n_selected, int heads, int splits, void* __restrict__ out,
+                       float* __restrict__ lse) {
   K3_PDL_ENTRY();
   // ws_acc [rows][heads][splits][512]; ws_ml [rows][heads][splits][2];
   // out [rows][heads][512] fp32 or bf16. One CTA per (head, row). The split weights

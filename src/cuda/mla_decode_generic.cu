@@ -22,13 +22,13 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Queries, the cache, page tables, lengths and selections: no __restrict__ (PDL: their producer
+// may still run when this kernel starts, so no ld.global.nc; see mma.cuh ld_act128).
 template <bool kBf16Out>
 __global__ void __launch_bounds__(kThreads)
-    mla_generic_kernel(const __nv_bfloat16* __restrict__ q_abs,
-                       const __nv_bfloat16* __restrict__ q_pe,
-                       const __nv_bfloat16* __restrict__ cache,
-                       const int32_t* __restrict__ block_table, const int32_t* __restrict__ seq_len,
-                       const int32_t* __restrict__ selected, const int32_t* __restrict__ n_selected,
+    mla_generic_kernel(const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
+                       const __nv_bfloat16* cache, const int32_t* block_table,
+                       const int32_t* seq_len, const int32_t* selected, const int32_t* n_selected,
                        int heads, int kv_lora, int rope, int page_size, int max_pages, int max_sel,
                        float scale, void* __restrict__ out, float* __restrict__ lse) {
   K3_PDL_ENTRY();

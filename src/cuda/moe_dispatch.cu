@@ -12,8 +12,10 @@ constexpr int kThreads = 1024;
 constexpr int kMaxExperts = 1024;
 constexpr int kMaxPairs = kMaxGroupedPairs;
 
+// ids: no __restrict__ (PDL: the router may still run when this kernel starts; see mma.cuh
+// ld_act128).
 __global__ void __launch_bounds__(kThreads)
-    group_kernel(const int32_t* __restrict__ ids, int n, int top_k, int first, int E,
+    group_kernel(const int32_t* ids, int n, int top_k, int first, int E,
                  int32_t* __restrict__ slot_expert, int32_t* __restrict__ slot_offsets,
                  int32_t* __restrict__ row_index, int32_t* __restrict__ position, bool compact) {
   K3_PDL_ENTRY();

@@ -15,13 +15,13 @@ struct GroupScratch {
 };
 
 // ids: [n] int32 global expert ids (row-major [rows][top_k]), read through L2 (__ldcg): in the
-// router's last CTA other CTAs wrote them. Outputs as moe_group_by_expert(_compact).
+// router's last CTA other CTAs wrote them, and under PDL the router may still run when the
+// grouping kernel starts (so no __restrict__). Outputs as moe_group_by_expert(_compact).
 template <int kMaxExperts, int kMaxPairs>
-__device__ void group_pairs(GroupScratch<kMaxExperts, kMaxPairs>& sm,
-                            const int32_t* __restrict__ ids, int n, int top_k, int first, int E,
-                            int32_t* __restrict__ slot_expert, int32_t* __restrict__ slot_offsets,
-                            int32_t* __restrict__ row_index, int32_t* __restrict__ position,
-                            bool compact) {
+__device__ void group_pairs(GroupScratch<kMaxExperts, kMaxPairs>& sm, const int32_t* ids, int n,
+                            int top_k, int first, int E, int32_t* __restrict__ slot_expert,
+                            int32_t* __restrict__ slot_offsets, int32_t* __restrict__ row_index,
+                            int32_t* __restrict__ position, bool compact) {
   const int T = static_cast<int>(blockDim.x);
   for (int e = threadIdx.x; e <= E; e += T) sm.count[e] = 0;
   __syncthreads();

@@ -14,9 +14,10 @@ using detail::blocks_for;
 
 constexpr int kThreads = 256;
 
-__global__ void finish_tp_sum_kernel(const float* __restrict__ sum, int64_t n,
-                                     __nv_bfloat16* __restrict__ out, __nv_bfloat16* res,
-                                     bool res_copy) {
+// Sums, grouped rows, positions, page tables and partial attention: no __restrict__ (PDL: their
+// producer may still run when a kernel starts, so no ld.global.nc; see mma.cuh ld_act128).
+__global__ void finish_tp_sum_kernel(const float* sum, int64_t n, __nv_bfloat16* __restrict__ out,
+                                     __nv_bfloat16* res, bool res_copy) {
   K3_PDL_ENTRY();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -37,8 +38,7 @@ __global__ void keep_own_pairs_kernel(int32_t* __restrict__ ids, int64_t rows, i
   if (p % tp != s % tp) ids[i] = -1;
 }
 
-__global__ void pairs_kernel(const __nv_bfloat16* __restrict__ grouped,
-                             const int32_t* __restrict__ position, int64_t width,
+__global__ void pairs_kernel(const __nv_bfloat16* grouped, const int32_t* position, int64_t width,
                              __nv_bfloat16* __restrict__ pairs) {
   K3_PDL_ENTRY();
   // One CTA per pair: its row copied from the grouped position, or zeros.
@@ -49,9 +49,8 @@ __global__ void pairs_kernel(const __nv_bfloat16* __restrict__ grouped,
     dst[c] = g >= 0 ? grouped[static_cast<int64_t>(g) * width + c] : __float2bfloat16_rn(0.0f);
 }
 
-__global__ void dcp_rows_kernel(const int32_t* __restrict__ position,
-                                const int32_t* __restrict__ table, int64_t rows, int pages, int dcp,
-                                int rank, int32_t* __restrict__ local_pos,
+__global__ void dcp_rows_kernel(const int32_t* position, const int32_t* table, int64_t rows,
+                                int pages, int dcp, int rank, int32_t* __restrict__ local_pos,
                                 int32_t* __restrict__ seq_rep, int32_t* __restrict__ table_rep) {
   K3_PDL_ENTRY();
   // One CTA per (row, copy c).
@@ -63,9 +62,8 @@ __global__ void dcp_rows_kernel(const int32_t* __restrict__ position,
     table_rep[(c * rows + r) * pages + j] = table[r * pages + j];
 }
 
-__global__ void dcp_merge_kernel(const float* __restrict__ o, const float* __restrict__ lse,
-                                 int parts, int64_t rows, int heads, int width,
-                                 float* __restrict__ out) {
+__global__ void dcp_merge_kernel(const float* o, const float* lse, int parts, int64_t rows,
+                                 int heads, int width, float* __restrict__ out) {
   K3_PDL_ENTRY();
   // One CTA per (row, head); threads over the latent columns.
   const int64_t rh = blockIdx.x;  // r * heads + h

@@ -46,10 +46,12 @@ __device__ __forceinline__ int cta_rank(bool flag, int* warp_tot) {
   return before + __popc(m & ((1u << lane) - 1u));
 }
 
+// logits: no __restrict__ (PDL: the router GEMM may still run when this kernel starts; see
+// mma.cuh ld_act128); nor ids, which the last CTA reads back to group them.
 __global__ void __launch_bounds__(kThreads)
-    router_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int E,
-                  int top_k, bool renormalize, float scaling, int32_t* __restrict__ ids,
-                  float* __restrict__ weights, const RouterGrouping g) {
+    router_kernel(const float* logits, const float* __restrict__ bias, int E, int top_k,
+                  bool renormalize, float scaling, int32_t* ids, float* __restrict__ weights,
+                  const RouterGrouping g) {
   detail::pdl_launch_dependents();
   // logits [rows][E]; bias [E] or null; ids / weights [rows][top_k]; one CTA per row.
   const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;

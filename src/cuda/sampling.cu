@@ -72,9 +72,11 @@ __device__ __forceinline__ float key_value(uint64_t key) {
   return __uint_as_float((ord & 0x80000000u) ? (ord & 0x7fffffffu) : ~ord);
 }
 
+// Logits, the sorted keys / values and the per-row params and draws: no __restrict__ (PDL: their
+// producer may still run when a kernel starts, so no ld.global.nc; see mma.cuh ld_act128).
 __global__ void __launch_bounds__(kPrepThreads)
-    sample_prep_kernel(const float* __restrict__ logits, int64_t stride, int vocab,
-                       uint64_t* __restrict__ keys, int32_t* __restrict__ vals) {
+    sample_prep_kernel(const float* logits, int64_t stride, int vocab, uint64_t* __restrict__ keys,
+                       int32_t* __restrict__ vals) {
   K3_PDL_ENTRY();
   // logits [rows][stride]; keys, vals [rows][vocab].
   const int r = blockIdx.y;
@@ -90,9 +92,9 @@ using Scan = cub::BlockScan<double, kSelThreads>;
 using Reduce = cub::BlockReduce<double, kSelThreads>;
 
 __global__ void __launch_bounds__(kSelThreads)
-    sample_select_kernel(const uint64_t* __restrict__ keys, const int32_t* __restrict__ vals,
-                         int vocab, const SampleRowParams* __restrict__ params,
-                         const double* __restrict__ uniform, int32_t* __restrict__ ids) {
+    sample_select_kernel(const uint64_t* keys, const int32_t* vals, int vocab,
+                         const SampleRowParams* params, const double* uniform,
+                         int32_t* __restrict__ ids) {
   K3_PDL_ENTRY();
   // keys, vals [rows][vocab], each row sorted by descending logit (ties: ascending id).
   __shared__ union {

@@ -28,10 +28,14 @@ __device__ __forceinline__ int64_t imin(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
 
+// Activations, tokens, caches, page tables, positions, routing weights and grouping arrays: no
+// __restrict__ (PDL: their producer may still run when a kernel starts, so no ld.global.nc; see
+// mma.cuh ld_act128). Weights, norm weights and the expert pointer tables keep it.
+
 // ---- embedding rows ----
 __global__ void __launch_bounds__(kRowThreads)
     embed_kernel(const __nv_bfloat16* __restrict__ embed, int64_t vocab, int64_t hidden,
-                 const int32_t* __restrict__ tokens, __nv_bfloat16* __restrict__ out, bool vec) {
+                 const int32_t* tokens, __nv_bfloat16* __restrict__ out, bool vec) {
   K3_PDL_ENTRY();
   // embed [vocab][hidden]; out [rows][hidden]; one CTA per row.
   const int64_t r = blockIdx.x;
@@ -84,9 +88,8 @@ __global__ void add_residual_kernel(const __nv_bfloat16* a, const __nv_bfloat16*
 }
 
 // ---- latent cache append ----
-__global__ void cache_append_kernel(const __nv_bfloat16* __restrict__ kv, int width,
-                                    const int32_t* __restrict__ block_table, int max_pages,
-                                    const int32_t* __restrict__ position, int page_size,
+__global__ void cache_append_kernel(const __nv_bfloat16* kv, int width, const int32_t* block_table,
+                                    int max_pages, const int32_t* position, int page_size,
                                     __nv_bfloat16* __restrict__ cache) {
   K3_PDL_ENTRY();
   // kv [rows][width]; block_table [rows][max_pages]; cache [pages][page_size][width].
@@ -122,10 +125,9 @@ __device__ __forceinline__ void combine8(const __nv_bfloat16* y, const int32_t* 
 }
 
 __global__ void __launch_bounds__(kCombineThreads)
-    moe_combine_kernel(const __nv_bfloat16* __restrict__ y, const int32_t* __restrict__ y_pos,
-                       const float* __restrict__ weights, int top_k, int64_t width,
-                       const float* __restrict__ norm_w, float eps, bool vec,
-                       __nv_bfloat16* __restrict__ out) {
+    moe_combine_kernel(const __nv_bfloat16* y, const int32_t* y_pos, const float* weights,
+                       int top_k, int64_t width, const float* __restrict__ norm_w, float eps,
+                       bool vec, __nv_bfloat16* __restrict__ out) {
   K3_PDL_ENTRY();
   // y [rows * top_k][width]; weights [rows][top_k]; norm_w [width] or null; out [rows][width].
   // One CTA per row, 8 columns per thread; with a norm, rows wider than one pass recompute the
@@ -194,11 +196,10 @@ __device__ __forceinline__ void load_w8(const WT* p, bool vec, int nv, float (&v
 template <typename WT>
 __global__ void __launch_bounds__(kGemmWarps * 32)
     grouped_linear_kernel(const WT* const* __restrict__ w_table, const WT* __restrict__ w_single,
-                          const int32_t* __restrict__ slot_expert,
-                          const int32_t* __restrict__ slot_offsets,
-                          const int32_t* __restrict__ row_index, int64_t M,
-                          const __nv_bfloat16* __restrict__ x, int64_t ldx, int64_t N, int64_t K,
-                          void* __restrict__ y, int64_t ldy, bool y_fp32, bool vec) {
+                          const int32_t* slot_expert, const int32_t* slot_offsets,
+                          const int32_t* row_index, int64_t M, const __nv_bfloat16* x, int64_t ldx,
+                          int64_t N, int64_t K, void* __restrict__ y, int64_t ldy, bool y_fp32,
+                          bool vec) {
   K3_PDL_ENTRY();
   // x [*][ldx] bf16; W [N][K]; y [rows][ldy] bf16 or fp32.
   const int s = blockIdx.y;
