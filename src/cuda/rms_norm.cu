@@ -19,8 +19,20 @@ template <int VPT>
 __global__ void __launch_bounds__(1024)
     rms_norm_cached(const __nv_bfloat16* x, int64_t x_stride, const float* w, int hidden, float eps,
                     __nv_bfloat16* y, int64_t y_stride) {
-  K3_PDL_ENTRY();
   // x: [rows, hidden] bf16; w: [hidden] fp32 or null; y: [rows, hidden] bf16
+  detail::pdl_launch_dependents();
+  // The weights first: they do not wait on the previous kernel.
+  float wv[VPT][8];
+#pragma unroll
+  for (int i = 0; i < VPT; ++i) {
+    const int e0 = (threadIdx.x + i * blockDim.x) * 8;
+    if (w && e0 < hidden)
+      detail::load_f32x8(w + e0, true, 8, wv[i]);
+    else
+#pragma unroll
+      for (int k = 0; k < 8; ++k) wv[i][k] = 1.0f;
+  }
+  detail::pdl_wait();
   __shared__ float scratch[33];
   const __nv_bfloat16* xr = x + blockIdx.x * x_stride;  // [hidden]
   __nv_bfloat16* yr = y + blockIdx.x * y_stride;        // [hidden]
@@ -51,12 +63,9 @@ __global__ void __launch_bounds__(1024)
       o[2 * k] = __uint_as_float(u[k] << 16) * inv;
       o[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u) * inv;
     }
-    if (w) {
-      float wv[8];
-      detail::load_f32x8(w + e0, true, 8, wv);
+    if (w)
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] *= wv[k];
-    }
+      for (int k = 0; k < 8; ++k) o[k] *= wv[i][k];
     detail::store_bf16x8(yr + e0, true, 8, o);
   }
 }

@@ -128,10 +128,19 @@ __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const __nv_bfloat16* y, const int32_t* y_pos, const float* weights,
                        int top_k, int64_t width, const float* __restrict__ norm_w, float eps,
                        bool vec, __nv_bfloat16* __restrict__ out) {
-  K3_PDL_ENTRY();
   // y [rows * top_k][width]; weights [rows][top_k]; norm_w [width] or null; out [rows][width].
   // One CTA per row, 8 columns per thread; with a norm, rows wider than one pass recompute the
   // same sums (the expert outputs are L2-resident) after the sum of squares.
+  detail::pdl_launch_dependents();
+  // One pass (K3's latent 3584 = 448 vectors): each thread's only vector stays in registers
+  // between the sum of squares and the store, instead of being combined again; its norm weights
+  // are requested first (weights: they do not wait on the previous kernel).
+  const bool one_pass = width <= kCombineThreads * 8;
+  const int64_t c0 = threadIdx.x * 8;
+  const int nv0 = static_cast<int>(width - c0 < 8 ? width - c0 : 8);
+  float nw0[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+  if (one_pass && norm_w && c0 < width) load_f32x8(norm_w + c0, vec && nv0 == 8, nv0, nw0);
+  detail::pdl_wait();
   __shared__ float scratch[33];
   __shared__ float w_s[kCombineMaxK];
   __shared__ int32_t rows_s[kCombineMaxK];
@@ -142,9 +151,6 @@ __global__ void __launch_bounds__(kCombineThreads)
     rows_s[threadIdx.x] = y_pos ? y_pos[s] : static_cast<int32_t>(s);
   }
   __syncthreads();
-  // One pass (K3's latent 3584 = 448 vectors): each thread's only vector stays in registers
-  // between the sum of squares and the store, instead of being combined again.
-  const bool one_pass = width <= kCombineThreads * 8;
   float kept[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   if (one_pass && threadIdx.x * 8 < width)
     combine8(y, rows_s, w_s, top_k, width, threadIdx.x * 8, vec, kept);
@@ -174,7 +180,11 @@ __global__ void __launch_bounds__(kCombineThreads)
     const int nv = static_cast<int>(width - c < 8 ? width - c : 8);
     if (norm_w) {
       float nw[8];
-      load_f32x8(norm_w + c, vec && nv == 8, nv, nw);
+      if (one_pass)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) nw[e] = nw0[e];
+      else
+        load_f32x8(norm_w + c, vec && nv == 8, nv, nw);
 #pragma unroll
       for (int e = 0; e < 8; ++e) a[e] = a[e] * inv * nw[e];
     }
