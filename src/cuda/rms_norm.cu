@@ -21,10 +21,12 @@ __global__ void __launch_bounds__(1024)
                     __nv_bfloat16* y, int64_t y_stride) {
   // x: [rows, hidden] bf16; w: [hidden] fp32 or null; y: [rows, hidden] bf16
   detail::pdl_launch_dependents();
-  // The weights first: they do not wait on the previous kernel.
-  float wv[VPT][8];
+  // The weights first, as they do not wait on the previous kernel; up to 4 vectors per thread
+  // (8 would spill under the 64 registers of 1024 threads: those load them at the end).
+  constexpr bool kEarly = VPT <= 4;
+  float wv[kEarly ? VPT : 1][8];
 #pragma unroll
-  for (int i = 0; i < VPT; ++i) {
+  for (int i = 0; i < (kEarly ? VPT : 0); ++i) {
     const int e0 = (threadIdx.x + i * blockDim.x) * 8;
     if (w && e0 < hidden)
       detail::load_f32x8(w + e0, true, 8, wv[i]);
@@ -63,9 +65,17 @@ __global__ void __launch_bounds__(1024)
       o[2 * k] = __uint_as_float(u[k] << 16) * inv;
       o[2 * k + 1] = __uint_as_float(u[k] & 0xffff0000u) * inv;
     }
-    if (w)
+    if (w) {
+      float wk[8];
+      if constexpr (kEarly) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) o[k] *= wv[i][k];
+        for (int k = 0; k < 8; ++k) wk[k] = wv[i][k];
+      } else {
+        detail::load_f32x8(w + e0, true, 8, wk);
+      }
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o[k] *= wk[k];
+    }
     detail::store_bf16x8(yr + e0, true, 8, o);
   }
 }
