@@ -34,4 +34,17 @@ void attn_res_mix(const __nv_bfloat16* bank, int n_sources, int64_t source_strid
                   int64_t row_stride, const float* score_w, int64_t rows, int64_t hidden, float eps,
                   __nv_bfloat16* out, int64_t out_stride, float* probs, cudaStream_t stream);
 
+namespace detail {
+
+// The cluster shape both AttnRes kernels use (attn_res_mix and attn_res_mix_norm; the bits of
+// their sums depend on it): `cluster` CTAs of `threads` threads per row, one 8-element vector
+// per thread. Fails for hidden above 32768.
+struct AttnResShape {
+  int cluster = 1;
+  int threads = 32;
+};
+AttnResShape attn_res_shape(int64_t hidden);
+
+}  // namespace detail
+
 }  // namespace k3::cuda

@@ -6,12 +6,15 @@
 // memory and the norm's single-CTA-per-row reduction. Each cluster reduction pushes a rank's
 // sums into every CTA and then syncs once (two cluster barriers in all, where reading the
 // ranks' sums remotely took three), and the weights are read before waiting on the previous
-// kernel.
+// kernel. Instantiated per source count, as attn_res.cu's kernel (its per-source reductions
+// interleave).
 #include "cuda/attn_res_norm.h"
 
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <array>
+#include <utility>
 
 #include "core/error.h"
 #include "cuda/check.h"
@@ -46,14 +49,16 @@ __device__ __forceinline__ uint4 load_raw8(const __nv_bfloat16* p, bool vec, int
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+template <int NS>
 __global__ void __launch_bounds__(kMaxThreads)
-    attn_res_norm_kernel(const __grid_constant__ AttnResSources s, int n, int64_t row_stride,
+    attn_res_norm_kernel(const __grid_constant__ AttnResSources s, int64_t row_stride,
                          const float* score_w, int hidden, float eps, const float* norm_w,
                          __nv_bfloat16* x_out, int64_t x_stride, __nv_bfloat16* h_out,
                          int64_t h_stride, bool vec) {
   // sources s.src[j]: [rows, hidden] bf16; score_w, norm_w: [hidden] fp32 (norm_w may be null);
   // x_out: [rows, hidden] bf16; h_out: [rows, hidden] bf16 or null
   detail::pdl_launch_dependents();
+  constexpr int n = NS;
   cg::cluster_group cluster = cg::this_cluster();
   // Arrive now, wait before the first push into another CTA's shared memory (which must have
   // started): by then every CTA has long arrived, so the wait costs nothing.
@@ -64,11 +69,11 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
 
-  __shared__ float red[kMaxThreads / 32][2 * kMaxS];  // per-warp partials: ss then dot
+  __shared__ float red[kMaxThreads / 32][2 * NS];  // per-warp partials: ss then dot
   // Each rank's sums, pushed by that rank into every CTA of the cluster (one barrier, then
   // local reads, instead of a barrier, remote reads and a barrier to keep the CTAs alive).
-  __shared__ float part[kMaxCluster][2 * kMaxS];
-  __shared__ float total[2 * kMaxS];         // the row's sums
+  __shared__ float part[kMaxCluster][2 * NS];
+  __shared__ float total[2 * NS];            // the row's sums
   __shared__ float red_h[kMaxThreads / 32];  // per-warp sum of h^2
   __shared__ float part_h[kMaxCluster];      // each rank's sum of h^2 (pushed)
 
@@ -91,14 +96,14 @@ __global__ void __launch_bounds__(kMaxThreads)
   detail::pdl_wait();
 
   // ---- Mix (as attn_res_kernel) ----
-  uint4 v[kMaxS];
+  uint4 v[NS];
 #pragma unroll
-  for (int j = 0; j < kMaxS; ++j)
+  for (int j = 0; j < NS; ++j)
     v[j] = (j < n && live) ? load_raw8(s.src[j] + row * row_stride + e0, vec, nvalid)
                            : make_uint4(0, 0, 0, 0);
 
 #pragma unroll
-  for (int j = 0; j < kMaxS; ++j) {
+  for (int j = 0; j < NS; ++j) {
     if (j >= n) break;
     const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
     float ss = 0.0f, dot = 0.0f;
@@ -112,29 +117,29 @@ __global__ void __launch_bounds__(kMaxThreads)
     dot = detail::warp_sum(dot);
     if (lane == 0) {
       red[warp][j] = ss;
-      red[warp][kMaxS + j] = dot;
+      red[warp][NS + j] = dot;
     }
   }
   __syncthreads();
   cluster.barrier_wait();  // every CTA has started: pushes may go out
-  if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
+  if (threadIdx.x < 2 * NS && (threadIdx.x % NS) < n) {
     float t = 0.0f;
     for (int q = 0; q < nwarps; ++q) t += red[q][threadIdx.x];
     for (int q = 0; q < C; ++q) *cluster.map_shared_rank(&part[rank][threadIdx.x], q) = t;
   }
   cluster.sync();  // every rank's sums have landed here
-  if (threadIdx.x < 2 * kMaxS && (threadIdx.x % kMaxS) < n) {
+  if (threadIdx.x < 2 * NS && (threadIdx.x % NS) < n) {
     float t = 0.0f;  // in rank order (cluster_sum_in_order's bits)
     for (int q = 0; q < C; ++q) t += part[q][threadIdx.x];
     total[threadIdx.x] = t;
   }
   __syncthreads();
 
-  float p[kMaxS];
+  float p[NS];
   float m = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < kMaxS; ++j) {
-    p[j] = j < n ? total[kMaxS + j] / sqrtf(total[j] / static_cast<float>(hidden) + eps) : 0.0f;
+  for (int j = 0; j < NS; ++j) {
+    p[j] = j < n ? total[NS + j] / sqrtf(total[j] / static_cast<float>(hidden) + eps) : 0.0f;
     if (j < n) m = fmaxf(m, p[j]);
   }
   if (n == 1) {
@@ -142,16 +147,16 @@ __global__ void __launch_bounds__(kMaxThreads)
   } else {
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < kMaxS; ++j)
+    for (int j = 0; j < NS; ++j)
       if (j < n) sum += (p[j] = expf(p[j] - m));
     const float inv = 1.0f / sum;
 #pragma unroll
-    for (int j = 0; j < kMaxS; ++j) p[j] *= inv;
+    for (int j = 0; j < NS; ++j) p[j] *= inv;
   }
 
   float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-  for (int j = 0; j < kMaxS; ++j) {
+  for (int j = 0; j < NS; ++j) {
     if (j >= n) break;
     const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
 #pragma unroll
@@ -194,6 +199,11 @@ __global__ void __launch_bounds__(kMaxThreads)
   detail::store_bf16x8(x_out + row * x_stride + e0, vec, nvalid, x);
 }
 
+template <int... I>
+constexpr auto kernel_table(std::integer_sequence<int, I...>) {
+  return std::array{&attn_res_norm_kernel<I + 1>...};
+}
+
 }  // namespace
 
 void attn_res_mix_norm(const AttnResSources& sources, int n_sources, int64_t row_stride,
@@ -215,21 +225,20 @@ void attn_res_mix_norm(const AttnResSources& sources, int n_sources, int64_t row
     vec = vec && aligned16(sources.src[j]);
   }
   if (rows == 0) return;
-  // The cluster shape of attn_res_mix (the mix's bits depend on it): C CTAs of T threads, one
-  // 8-element vector per thread.
-  const int64_t nv = (hidden + 7) / 8;
-  const int C = static_cast<int>(std::clamp<int64_t>((nv + 127) / 128, 1, kMaxCluster));
-  const int64_t T = ((nv + C - 1) / C + 31) / 32 * 32;
-  K3_CHECK(T <= kMaxThreads, "cuda::attn_res_mix_norm: hidden ", hidden, " above the ",
-           8 * kMaxThreads * 8, " this kernel holds in registers");
+  // The cluster shape of attn_res_mix (the mix's bits depend on it).
+  const detail::AttnResShape shape = detail::attn_res_shape(hidden);
+  const int C = shape.cluster;
+  K3_CHECK(C <= kMaxCluster && shape.threads <= kMaxThreads,
+           "cuda::attn_res_mix_norm: cluster shape ", C, " x ", shape.threads);
   K3_CHECK(rows * C <= 0x7fffffff, "cuda::attn_res_mix_norm: too many rows ", rows);
 
   const detail::ClusterLaunch launch(dim3(static_cast<unsigned>(rows * C)),
-                                     dim3(static_cast<unsigned>(T)), 0, stream,
+                                     dim3(static_cast<unsigned>(shape.threads)), 0, stream,
                                      static_cast<unsigned>(C));
-  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, attn_res_norm_kernel, sources, n_sources,
-                                   row_stride, score_w, static_cast<int>(hidden), eps, norm_w,
-                                   x_out, x_stride, h_out, h_stride, vec));
+  static constexpr auto kKernels = kernel_table(std::make_integer_sequence<int, kMaxS>{});
+  K3_CUDA_CHECK(cudaLaunchKernelEx(&launch.config, kKernels[n_sources - 1], sources, row_stride,
+                                   score_w, static_cast<int>(hidden), eps, norm_w, x_out, x_stride,
+                                   h_out, h_stride, vec));
 }
 
 void attn_res_mix_norm(const __nv_bfloat16* bank, int n_sources, int64_t source_stride,
