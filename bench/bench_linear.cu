@@ -11,7 +11,6 @@
 // fit in L2 are marked "warm" (their `us` is L2-hot; lat_us is cold).
 //
 // Usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING]
-#include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -48,13 +47,6 @@ constexpr double kL2Bytes = 60e6;
 constexpr size_t kScratchBytes = 256ull << 20;
 constexpr int kReplays = 50;
 constexpr int kMaxCopies = 64;
-
-#define CUBLAS_CHECK(call)                                              \
-  do {                                                                  \
-    const cublasStatus_t s_ = (call);                                   \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                    \
-      ::k3::fail("cuBLAS error ", static_cast<int>(s_), " in ", #call); \
-  } while (0)
 
 struct Result {
   std::string kernel, shape, note;
@@ -206,8 +198,7 @@ struct GemmCase {
   bool fp4;
 };
 
-void bench_gemm(Timer& t, cublasHandle_t cb, const GemmCase& c, const std::vector<int>& ms,
-                bool sweep, Rng& rng) {
+void bench_gemm(Timer& t, const GemmCase& c, const std::vector<int>& ms, bool sweep, Rng& rng) {
   const int64_t N = c.n, K = c.k;
   const double wbytes =
       cuda::linear_weight_bytes(c.fp4 ? cuda::LinearWeight::MXFP4 : cuda::LinearWeight::BF16, N, K);
@@ -281,8 +272,11 @@ void bench_gemm(Timer& t, cublasHandle_t cb, const GemmCase& c, const std::vecto
       const auto cand =
           c.fp4 ? cuda::linear_mxfp4_candidates(M, N, K) : cuda::linear_bf16_candidates(M, N, K);
       // What the tuner times (linear_launch.cuh): the model's best GEMV plans, then its top
-      // tilings and the best of each cluster size and warps-along-K count.
-      const std::vector<cuda::LinearPlan> try_plans = cuda::detail::tuning_shortlist(cand);
+      // tilings and the best of each cluster size and warps-along-K count, then cuBLAS.
+      const std::vector<cuda::LinearPlan> try_plans = cuda::detail::tuning_shortlist(
+          cand,
+          cuda::cublas_plan_applies(c.fp4 ? cuda::LinearWeight::MXFP4 : cuda::LinearWeight::BF16, 1,
+                                    false, cuda::batch_invariant()));
       double best = 1e30;
       std::string best_plan;
       for (const auto& p : try_plans) {
@@ -298,17 +292,9 @@ void bench_gemm(Timer& t, cublasHandle_t cb, const GemmCase& c, const std::vecto
       g_sweeps.push_back(line);
     }
 
-    if (!c.fp4) {  // cuBLAS baseline on the same bf16 shape
-      const float alpha = 1.0f, beta = 0.0f;
-      auto blas = [&](int copy, cudaStream_t s) {
-        CUBLAS_CHECK(cublasSetStream(cb, s));
-        // Column-major view: y^T[N, M] = W[N, K] (stored as W^T, ld K) . x^T[K, M] (ld K).
-        CUBLAS_CHECK(cublasGemmEx(cb, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N), M,
-                                  static_cast<int>(K), &alpha, dw[copy].data(), CUDA_R_16BF,
-                                  static_cast<int>(K), dx.data(), CUDA_R_16BF, static_cast<int>(K),
-                                  &beta, dy.data(), CUDA_R_16BF, static_cast<int>(N),
-                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-      };
+    if (!c.fp4) {  // cuBLAS on the same bf16 shape: the engine's cuBLAS plan (cublas_linear.h)
+      const cuda::LinearPlan blas_plan = cuda::cublas_plan(M, N, K);
+      auto blas = ours(&blas_plan);
       Result b = r;
       b.kernel = "cublas";
       b.us = t.batched_us(blas, R);
@@ -439,10 +425,6 @@ int main(int argc, char** argv) {
                 static_cast<size_t>(p.l2CacheSize) >> 20, p.major, p.minor);
     Rng rng(12345);
     Timer t;
-    cublasHandle_t cb;
-    CUBLAS_CHECK(cublasCreate(&cb));
-    DeviceBuffer<uint8_t> cublas_ws(32u << 20);  // fixed workspace: graph capture allocates nothing
-    CUBLAS_CHECK(cublasSetWorkspace(cb, cublas_ws.data(), cublas_ws.size()));
 
     const std::vector<GemmCase> gemms = {
         {"q/k/v/g TP16", 768, 7168, false},    {"o TP16", 7168, 768, false},
@@ -456,7 +438,7 @@ int main(int argc, char** argv) {
       const std::string id =
           std::string(c.fp4 ? "mxfp4 " : "bf16 ") + std::to_string(c.n) + "x" + std::to_string(c.k);
       if (!filter.empty() && id.find(filter) == std::string::npos) continue;
-      bench_gemm(t, cb, c, ms, sweep && !quick, rng);
+      bench_gemm(t, c, ms, sweep && !quick, rng);
     }
     for (int M : ms) {
       if (filter.empty() || std::string("rms_norm").find(filter) != std::string::npos)
@@ -466,7 +448,6 @@ int main(int argc, char** argv) {
       if (filter.empty() || std::string("argmax").find(filter) != std::string::npos)
         bench_argmax(t, M, rng);
     }
-    CUBLAS_CHECK(cublasDestroy(cb));
 
     if (!g_sweeps.empty()) {
       std::printf("\nplan sweep (batched us; default = the model's pick):\n");

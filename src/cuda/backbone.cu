@@ -276,6 +276,7 @@ void CudaBackbone::run_graph(int64_t rows, StepPath path) {
   if (it == graphs_.end()) {
     cudaGraph_t graph = nullptr;
     foreign_nodes_.clear();
+    const ForeignNodeScope foreign(foreign_nodes_);  // cuBLAS plans of the tuner
     K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, capture_mode()));
     try {
       enqueue(rows, path);
@@ -345,6 +346,7 @@ std::vector<StageTime> CudaBackbone::profile_step(std::span<const int32_t> slots
     // Capture by hand (step() would replay the plain graph): inputs are already staged.
     cudaGraph_t graph = nullptr;
     foreign_nodes_.clear();
+    const ForeignNodeScope foreign(foreign_nodes_);
     K3_CUDA_CHECK(cudaStreamBeginCapture(stream_, capture_mode()));
     mark("start");
     enqueue(static_cast<int64_t>(slots.size()), path);

@@ -9,6 +9,7 @@
 #include "cuda/backbone.h"
 #include "cuda/backbone_buffers.h"
 #include "cuda/check.h"
+#include "cuda/graph_pdl.h"
 #include "cuda/linear_plan.h"
 #include "cuda/mla_decode.h"
 #include "cuda/moe_dispatch.h"
@@ -77,27 +78,7 @@ void CudaBackbone::check_expert_slices() const {
 }
 
 void CudaBackbone::collective(const std::function<void()>& run) {
-  cudaStreamCaptureStatus status{};
-  cudaGraph_t graph = nullptr;
-  K3_CUDA_CHECK(
-      cudaStreamGetCaptureInfo(stream_, &status, nullptr, &graph, nullptr, nullptr, nullptr));
-  if (status != cudaStreamCaptureStatusActive) {
-    run();
-    return;
-  }
-  const auto nodes = [&] {
-    size_t n = 0;
-    K3_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
-    std::vector<cudaGraphNode_t> v(n);
-    if (n > 0) K3_CUDA_CHECK(cudaGraphGetNodes(graph, v.data(), &n));
-    v.resize(n);
-    return v;
-  };
-  std::vector<cudaGraphNode_t> before = nodes();
-  std::sort(before.begin(), before.end());
-  run();
-  for (cudaGraphNode_t node : nodes())
-    if (!std::binary_search(before.begin(), before.end(), node)) foreign_nodes_.insert(node);
+  record_foreign_nodes(stream_, foreign_nodes_, run);
 }
 
 void CudaBackbone::tp_sum_to_bf16(float* partial, int64_t n, __nv_bfloat16* out) {

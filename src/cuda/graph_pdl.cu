@@ -1,11 +1,24 @@
 #include "cuda/graph_pdl.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "cuda/check.h"
 
 namespace k3::cuda {
 namespace {
+
+thread_local std::set<cudaGraphNode_t>* foreign_sink = nullptr;
+
+std::vector<cudaGraphNode_t> sorted_nodes(cudaGraph_t graph) {
+  size_t n = 0;
+  K3_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> v(n);
+  if (n > 0) K3_CUDA_CHECK(cudaGraphGetNodes(graph, v.data(), &n));
+  v.resize(n);
+  std::sort(v.begin(), v.end());
+  return v;
+}
 
 bool is_kernel(cudaGraphNode_t n) {
   cudaGraphNodeType t{};
@@ -42,6 +55,37 @@ int make_kernel_edges_programmatic(cudaGraph_t graph, const std::set<cudaGraphNo
       cudaGraphRemoveDependencies(graph, cf.data(), ct.data(), old_data.data(), cf.size()));
   K3_CUDA_CHECK(cudaGraphAddDependencies(graph, cf.data(), ct.data(), new_data.data(), cf.size()));
   return static_cast<int>(cf.size());
+}
+
+void record_foreign_nodes(cudaStream_t stream, std::set<cudaGraphNode_t>& foreign,
+                          const std::function<void()>& enqueue) {
+  cudaStreamCaptureStatus status{};
+  cudaGraph_t graph = nullptr;
+  K3_CUDA_CHECK(
+      cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr, nullptr));
+  if (status != cudaStreamCaptureStatusActive) {
+    enqueue();
+    return;
+  }
+  const std::vector<cudaGraphNode_t> before = sorted_nodes(graph);
+  enqueue();
+  for (cudaGraphNode_t node : sorted_nodes(graph))
+    if (!std::binary_search(before.begin(), before.end(), node)) foreign.insert(node);
+}
+
+ForeignNodeScope::ForeignNodeScope(std::set<cudaGraphNode_t>& sink) : previous_(foreign_sink) {
+  foreign_sink = &sink;
+}
+
+ForeignNodeScope::~ForeignNodeScope() {
+  foreign_sink = previous_;
+}
+
+void enqueue_foreign(cudaStream_t stream, const std::function<void()>& enqueue) {
+  if (foreign_sink)
+    record_foreign_nodes(stream, *foreign_sink, enqueue);
+  else
+    enqueue();
 }
 
 }  // namespace k3::cuda

@@ -7,6 +7,7 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <set>
 
 namespace k3::cuda {
@@ -16,5 +17,26 @@ namespace k3::cuda {
 // NCCL's collectives) stay full dependencies.
 int make_kernel_edges_programmatic(cudaGraph_t graph,
                                    const std::set<cudaGraphNode_t>& foreign = {});
+
+// Runs `enqueue` on `stream`; when the stream is capturing, adds every node the capture gains
+// meanwhile to `foreign` (the caller's work enqueued by code that does not wait for producers).
+void record_foreign_nodes(cudaStream_t stream, std::set<cudaGraphNode_t>& foreign,
+                          const std::function<void()>& enqueue);
+
+// Where foreign work enqueued deep inside an op (a cuBLAS GEMM picked by the linear tuner) goes:
+// while a scope is alive on this thread, enqueue_foreign records the nodes into its set; without
+// one it just runs (a capture nobody makes programmatic needs no record). The step's captures
+// that get programmatic edges hold one.
+class ForeignNodeScope {
+ public:
+  explicit ForeignNodeScope(std::set<cudaGraphNode_t>& sink);
+  ~ForeignNodeScope();
+  ForeignNodeScope(const ForeignNodeScope&) = delete;
+  ForeignNodeScope& operator=(const ForeignNodeScope&) = delete;
+
+ private:
+  std::set<cudaGraphNode_t>* previous_;
+};
+void enqueue_foreign(cudaStream_t stream, const std::function<void()>& enqueue);
 
 }  // namespace k3::cuda

@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "cuda/check.h"
 #include "cuda/cluster_launch.cuh"
+#include "cuda/cublas_linear.h"
 #include "cuda/gemv_bf16.h"
 #include "cuda/linear_fallback.cuh"
 #include "cuda/linear_plan.h"
@@ -122,6 +123,7 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
     return cudaGetLastError();
   }
   if (p.gemv()) return launch_gemv_bf16(p, a, stream);
+  if (p.cublas) return launch_cublas_linear(p, a, stream);
   a.wn = p.wn, a.wk = p.wk, a.ck = p.ck, a.stages = p.stages, a.chunks = p.chunks;
   a.n_slots = p.groups;
   a.x_pitch = p.x_pitch;
@@ -157,17 +159,26 @@ bool linear_tuning_enabled();
 // tuning time, never inside a capture or a decode step; where that allocation fails, nothing).
 void flush_l2(cudaStream_t stream);
 
+// A tuned shape: the fastest plan, and the fastest of our own kernels (the same when that is
+// one), which launches of the shape's key that cuBLAS cannot serve take (a GLU input, slots).
+struct TunedPlan {
+  LinearPlan best, native;
+  const LinearPlan& for_launch(const SkinnyArgs& a) const {
+    return best.cublas && (a.x_glu || a.slot_expert) ? native : best;
+  }
+};
+
 template <class Fmt>
-LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
-                     cudaStream_t stream) {
-  const std::vector<LinearPlan> list = tuning_shortlist(ranked);
+TunedPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a, bool with_cublas,
+                    cudaStream_t stream) {
+  const std::vector<LinearPlan> list = tuning_shortlist(ranked, with_cublas);
   cudaEvent_t t0, t1;
   K3_CUDA_CHECK(cudaEventCreate(&t0));
   K3_CUDA_CHECK(cudaEventCreate(&t1));
   K3_CUDA_CHECK(cudaDeviceSynchronize());  // time alone on the device
-  LinearPlan best = ranked.front();
-  float best_ms = 0;
-  bool have = false;
+  TunedPlan best{ranked.front(), ranked.front()};
+  float best_ms = 0, native_ms = 0;
+  bool have = false, have_native = false;
   constexpr int kReps = 3;
   for (const LinearPlan& p : list) {
     if (try_launch_skinny<Fmt>(p, a, stream) != cudaSuccess) {  // e.g. cluster not schedulable
@@ -185,11 +196,13 @@ LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
       K3_CUDA_CHECK(cudaEventElapsedTime(&one, t0, t1));
       ms = r == 0 ? one : std::min(ms, one);
     }
-    if (!have || ms < best_ms) best = p, best_ms = ms, have = true;
+    if (!have || ms < best_ms) best.best = p, best_ms = ms, have = true;
+    if (!p.cublas && (!have_native || ms < native_ms))
+      best.native = p, native_ms = ms, have_native = true;
   }
   (void)cudaEventDestroy(t0);
   (void)cudaEventDestroy(t1);
-  K3_CHECK(have, "skinny GEMM: no candidate plan of ", a.m, "x", a.n, "x", a.k,
+  K3_CHECK(have_native, "skinny GEMM: no candidate plan of ", a.m, "x", a.n, "x", a.k,
            " could be launched");
   return best;
 }
@@ -199,9 +212,9 @@ LinearPlan tune_plan(const std::vector<LinearPlan>& ranked, const SkinnyArgs& a,
 // the plain launch it replaces.
 using TunedKey = std::tuple<int, int, int64_t, int64_t, int, int, bool>;
 template <class PlanKey>
-std::pair<std::mutex&, std::map<TunedKey, LinearPlan>&> tuned_plans() {
+std::pair<std::mutex&, std::map<TunedKey, TunedPlan>&> tuned_plans() {
   static std::mutex mu;
-  static std::map<TunedKey, LinearPlan> tuned;
+  static std::map<TunedKey, TunedPlan> tuned;
   return {mu, tuned};
 }
 
@@ -231,7 +244,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     std::lock_guard<std::mutex> lock(mu);
     auto it = tuned.find(key);
     if (it != tuned.end()) {
-      launch_skinny<Fmt>(it->second, a, stream);
+      launch_skinny<Fmt>(it->second.for_launch(a), a, stream);
       return;
     }
   }
@@ -246,6 +259,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
           anchor);
     p = ranked.empty() ? fallback() : ranked.front();
   }
+  TunedPlan t{p, p};
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   K3_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
   if (!p.fallback && cap == cudaStreamCaptureStatusNone && linear_tuning_enabled() && a.x != a.y) {
@@ -257,13 +271,17 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     if (!invariant)
       ranked =
           linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active);
-    p = tune_plan<Fmt>(ranked, plain, stream);
+    // cuBLAS is timed where a launch of the shape may take it (and where it is switched on).
+    const bool with_cublas = cublas_plans() &&
+                             cublas_plan_applies(w, groups, a.x_glu != nullptr, invariant) &&
+                             !a.slot_expert;
+    t = tune_plan<Fmt>(ranked, plain, with_cublas, stream);
   }
   if (cap == cudaStreamCaptureStatusNone) {
     std::lock_guard<std::mutex> lock(mu);
-    tuned.emplace(key, p);
+    tuned.emplace(key, t);
   }
-  launch_skinny<Fmt>(p, a, stream);
+  launch_skinny<Fmt>(t.for_launch(a), a, stream);
 }
 
 }  // namespace k3::cuda::detail

@@ -52,6 +52,7 @@ std::string LinearPlan::str() const {
     os << "fallback";
     return os.str();
   }
+  if (cublas) return "cublas";
   if (gemv()) {
     os << "gemv ks" << gemv_ks << " rpw" << gemv_rpw << " grid" << grid_x();
     return os.str();
@@ -88,6 +89,11 @@ int gemv_units_per_lane(int64_t k, int ks) {
 
 bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
   if (p.fallback) return true;
+  if (p.cublas) {  // cuBLAS stages nothing of ours
+    p.chunks = 0, p.x_pitch = 0, p.x_bytes = 0, p.smem_bytes = 0;
+    return p.weight == LinearWeight::BF16 && p.groups == 1 && p.m >= 1 && p.m <= 64 &&
+           p.gemv_ks == 0 && p.n <= 0x7fffffff && p.k <= 0x7fffffff;
+  }
   if (p.gemv()) {
     if (p.weight != LinearWeight::BF16 || p.m < 1 || p.m > kGemvMaxRows || p.groups != 1 ||
         p.k % 8 != 0)
@@ -298,10 +304,39 @@ void set_linear_tuning(bool on) {
   linear_tuning_flag().store(on);
 }
 
+namespace {
+std::atomic<bool>& cublas_plans_flag() {
+  static std::atomic<bool> on{[] {
+    const char* v = std::getenv("K3_CUBLAS_PLANS");
+    return v != nullptr && std::string(v) == "1";
+  }()};
+  return on;
+}
+}  // namespace
+
+bool cublas_plans() {
+  return cublas_plans_flag().load();
+}
+void set_cublas_plans(bool on) {
+  cublas_plans_flag().store(on);
+}
+
+LinearPlan cublas_plan(int m, int64_t n, int64_t k) {
+  K3_CHECK(m >= 1 && m <= 64 && n >= 1 && k >= 1, "cuBLAS plan: shape ", m, "x", n, "x", k);
+  LinearPlan p;
+  p.weight = LinearWeight::BF16, p.m = m, p.n = n, p.k = k, p.groups = 1, p.cublas = true;
+  return p;
+}
+
+bool cublas_plan_applies(LinearWeight w, int groups, bool glu_input, bool invariant) {
+  return w == LinearWeight::BF16 && groups == 1 && !glu_input && !invariant;
+}
+
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {
   std::vector<LinearPlan> out;
   for (const LinearPlan& p : c)
-    if (!p.fallback && !p.gemv() && p.wk == anchor.wk && p.ck == anchor.ck) out.push_back(p);
+    if (!p.fallback && !p.gemv() && !p.cublas && p.wk == anchor.wk && p.ck == anchor.ck)
+      out.push_back(p);
   return out;
 }
 
@@ -341,7 +376,7 @@ void flush_l2(cudaStream_t stream) {
   if (buf.first) K3_CUDA_CHECK(cudaMemsetAsync(buf.first, 0x5a, buf.second, stream));
 }
 
-std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) {
+std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked, bool with_cublas) {
   std::vector<LinearPlan> out;
   // The best six GEMV plans (where the shape has any), then up to 12 tiled ones.
   for (const LinearPlan& p : ranked)
@@ -356,6 +391,10 @@ std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked) 
                        !have([&](const LinearPlan& q) { return q.ck == p.ck; }) ||
                        !have([&](const LinearPlan& q) { return q.wk == p.wk; });
     if (novel) out.push_back(p);
+  }
+  if (with_cublas && !ranked.empty()) {
+    const LinearPlan& s = ranked.front();
+    out.push_back(cublas_plan(s.m, s.n, s.k));
   }
   return out;
 }

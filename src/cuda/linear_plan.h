@@ -51,6 +51,9 @@ struct LinearPlan {
   // segments x (8 / ks) row lanes, each warp streaming rpw rows with its x segment in
   // registers. 0: a tiled mma plan (the knobs above).
   int gemv_ks = 0, gemv_rpw = 0;
+  // cuBLAS instead (bf16, dense, no folded epilogue; cublas_linear.h): a plan only the tuner
+  // picks, by measuring it beside the kernels.
+  bool cublas = false;
   // Derived by finalize_plan.
   int chunks = 0;         // k chunks over K
   int x_pitch = 0;        // bytes per staged x row
@@ -113,8 +116,19 @@ void set_batch_invariant(bool on);
 // replicates (router, latent projections) must give every rank the same bits.
 bool linear_tuning();
 void set_linear_tuning(bool on);
+// cuBLAS among the measured candidates (K3_CUBLAS_PLANS=1, or set_cublas_plans before the first
+// step; cublas_linear.h). Off by default until the decode step has measured it on the H200:
+// the per-op gain at 8-64 rows is measured (bench/RESULTS.md), the step's is not yet.
+bool cublas_plans();
+void set_cublas_plans(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
+
+// The cuBLAS plan of a shape, and whether a launch may take one: a dense bf16 GEMM that stages
+// plain x (no GLU input), outside batch invariance (cuBLAS's K order depends on the row count);
+// the tuner offers it where this holds and cublas_plans() is on.
+LinearPlan cublas_plan(int m, int64_t n, int64_t k);
+bool cublas_plan_applies(LinearWeight w, int groups, bool glu_input, bool invariant);
 
 // Every valid plan for the problem, cheapest model estimate first (empty when only the fallback
 // applies); dense bf16 launches of 1..4 rows (outside batch invariance) also get GEMV plans,
@@ -127,8 +141,9 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
 namespace detail {
 // The plans the tuner times (linear_launch.cuh), from a model-ranked candidate list: the best
 // six GEMV plans (where the shape has any), then up to 12 tilings (the top six, then the best of
-// each cluster size and warps-along-K count not yet in).
-std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked);
+// each cluster size and warps-along-K count not yet in), then, with_cublas, the cuBLAS plan.
+std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked,
+                                         bool with_cublas = false);
 }  // namespace detail
 
 // The H200 cold-L2 read bandwidth for a kernel reading `bytes` (h200-ceilings.md: 1/4/8/16/32/

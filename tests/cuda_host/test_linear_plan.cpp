@@ -1,7 +1,7 @@
 // The skinny-GEMM planner's host logic (cuda/linear_plan.h) without a GPU: which problems get
 // GEMV plans, their limits and shared memory, how they rank against the tilings, batch
-// invariance, and the tuner's shortlist. Runs in CI (no device call: explicit H200 limits and no
-// register query).
+// invariance, the tuner's shortlist and where it offers cuBLAS. Runs in CI (no device call:
+// explicit H200 limits and no register query).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "cuda/linear_plan.h"
 
 namespace k3 {
@@ -116,6 +117,51 @@ TEST(LinearPlan, TuningShortlistTakesBothKinds) {
     for (int i = 0; i < g; ++i)
       EXPECT_EQ(list[static_cast<size_t>(i)].str(), best[static_cast<size_t>(i)]);
   }
+}
+
+TEST(LinearPlan, CublasOnlyForDenseBf16WithPlainInput) {
+  EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, false, false));
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::MXFP4, 1, false, false));
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 4, false, false)) << "grouped";
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, true, false)) << "GLU input";
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, false, true)) << "invariant";
+
+  LinearPlan p = cuda::cublas_plan(8, 3584, 7168);
+  EXPECT_TRUE(p.cublas);
+  EXPECT_FALSE(p.gemv());
+  EXPECT_EQ(p.str(), "cublas");
+  EXPECT_TRUE(cuda::finalize_plan(p, cuda::DeviceLimits{}));
+  EXPECT_EQ(p.smem_bytes, 0u);
+  LinearPlan grouped = p;
+  grouped.groups = 2;
+  EXPECT_FALSE(cuda::finalize_plan(grouped, cuda::DeviceLimits{}));
+  LinearPlan fp4 = p;
+  fp4.weight = LinearWeight::MXFP4;
+  EXPECT_FALSE(cuda::finalize_plan(fp4, cuda::DeviceLimits{}));
+  EXPECT_THROW(cuda::cublas_plan(65, 3584, 7168), Error) << "one launch holds 64 rows";
+}
+
+TEST(LinearPlan, TuningShortlistEndsWithCublasWhenAsked) {
+  const InvariantScope off(false);
+  for (int m : {1, 8, 64}) {
+    const auto ranked = candidates(LinearWeight::BF16, m, 3584, 7168);
+    const auto plain = cuda::detail::tuning_shortlist(ranked);
+    const auto with = cuda::detail::tuning_shortlist(ranked, true);
+    EXPECT_EQ(std::count_if(plain.begin(), plain.end(), [](const auto& p) { return p.cublas; }), 0);
+    ASSERT_EQ(with.size(), plain.size() + 1) << "m " << m;
+    EXPECT_TRUE(with.back().cublas);
+    EXPECT_EQ(with.back().m, m);
+    EXPECT_EQ(with.back().n, 3584);
+    EXPECT_EQ(with.back().k, 7168);
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(with[i].str(), plain[i].str());
+  }
+  // The batch-invariant subset never holds it (cuBLAS's K order is its own).
+  std::vector<LinearPlan> with_blas = candidates(LinearWeight::BF16, 8, 3584, 7168);
+  const LinearPlan anchor = with_blas.front();
+  with_blas.insert(with_blas.begin(), cuda::cublas_plan(8, 3584, 7168));
+  const auto same = cuda::same_k_order(with_blas, anchor);
+  EXPECT_FALSE(same.empty());
+  for (const auto& p : same) EXPECT_FALSE(p.cublas);
 }
 
 }  // namespace

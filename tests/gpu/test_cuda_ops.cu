@@ -298,6 +298,20 @@ TEST(CudaLinearBf16, NoGemvUnderBatchInvariance) {
   for (const auto& p : plans) EXPECT_FALSE(p.gemv()) << p.str();
 }
 
+// The cuBLAS plan (the tuner times it beside the kernels) against the oracle: the rank's shapes
+// and ragged ones, 1..64 rows, bf16 and fp32 out.
+TEST(CudaLinearBf16, CublasPlan) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int64_t shapes[][2] = {{768, 7168}, {7168, 768}, {3584, 7168}, {37, 72}, {257, 1000}};
+  for (const auto& s : shapes)
+    for (const int64_t M : {1, 3, 8, 17, 64}) {
+      const cuda::LinearPlan p = cuda::cublas_plan(static_cast<int>(M), s[0], s[1]);
+      check_bf16_linear(rng, M, s[0], s[1], M == 3, &p);
+    }
+}
+
 struct Fp4Weight {
   std::vector<uint8_t> packed, scales;
   DeviceBuffer<uint8_t> dp, ds;
