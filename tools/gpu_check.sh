@@ -9,7 +9,8 @@
 # tools/setup.sh builds build/ first.
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
-# K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64").
+# K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
+# K3_STEP_CUBLAS=1 (k3_bench_step once more with cuBLAS among the tuned GEMM plans).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -74,6 +75,14 @@ if [ -x "$bin_dir/k3_bench_step" ] && [ -z "${K3_SKIP_STEP:-}" ]; then
   # shellcheck disable=SC2086
   "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 | tee "$out_dir/bench_step.log" | tee -a "$log" >/dev/null
   step_rc=${PIPESTATUS[0]}
+  if [ -n "${K3_STEP_CUBLAS:-}" ]; then
+    echo "== K3_CUBLAS_PLANS=1 k3_bench_step ${K3_STEP_ARGS:-}" | tee -a "$log"
+    # shellcheck disable=SC2086
+    K3_CUBLAS_PLANS=1 "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 |
+      tee "$out_dir/bench_step_cublas.log" | tee -a "$log" >/dev/null
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && step_rc=$rc
+  fi
 fi
 
 # The specialized step against the stock one, per layer (optional binary: `k3 diff`).
@@ -121,6 +130,10 @@ fi
     echo "k3_bench_step: rc $step_rc (full output: $out_dir/bench_step.log)"
     grep -E '^k3_bench_step' "$out_dir/bench_step.log" | head -2
     awk '/^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step.log"
+  fi
+  if [ -f "$out_dir/bench_step_cublas.log" ]; then
+    echo "k3_bench_step with cuBLAS plans (full output: $out_dir/bench_step_cublas.log)"
+    awk '/^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step_cublas.log"
   fi
 } | tee -a "$log"
 
