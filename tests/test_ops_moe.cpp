@@ -177,6 +177,40 @@ TEST(Router, MatchesFloat64Reference) {
   }
 }
 
+// The margin probe reports the top_k-th choice score minus the best left out (the float64
+// reference's, to fp32 error), the smallest over the selections it saw, only while it lives.
+TEST(Router, MarginProbeRecordsTheSelectionGap) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const RouterConfig cfg{.num_experts = 64, .top_k = 6};
+  const TestWeight gate = router_gate(rng, cfg.num_experts);
+  const std::vector<float> bias = test::random_normal(rng, size_t(cfg.num_experts), 0.1f);
+  std::vector<double> gaps;
+  RouterMarginProbe outer;
+  {
+    RouterMarginProbe probe;
+    for (int i = 0; i < 3; ++i) {
+      const std::vector<float> x = test::random_normal(rng, kHidden);
+      const RefRoute ref = reference_route(gate, bias, x, cfg);
+      std::vector<double> choice = ref.choice;
+      std::sort(choice.rbegin(), choice.rend());
+      gaps.push_back(choice[size_t(cfg.top_k - 1)] - choice[size_t(cfg.top_k)]);
+      run_route(gate, bias, x, cfg);
+    }
+    EXPECT_EQ(probe.selections(), 3);
+    EXPECT_NEAR(probe.min_margin(), *std::min_element(gaps.begin(), gaps.end()), 1e-5);
+    EXPECT_GT(probe.min_margin(), 0.0f);
+  }
+  EXPECT_EQ(outer.selections(), 0) << "the inner probe took the selections";
+  run_route(gate, bias, test::random_normal(rng, kHidden), cfg);
+  EXPECT_EQ(outer.selections(), 1) << "the outer probe is active again";
+  // All experts selected: no margin to record.
+  run_route(gate, {}, test::random_normal(rng, kHidden),
+            RouterConfig{.num_experts = 64, .top_k = 64});
+  EXPECT_EQ(outer.selections(), 1);
+}
+
 TEST(Router, BiasSelectsButDoesNotWeight) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));

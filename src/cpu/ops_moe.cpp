@@ -68,7 +68,23 @@ void limit_groups(const RouterConfig& cfg, float* choice) {
     if (!keep[static_cast<size_t>(e / gs)]) choice[e] = -std::numeric_limits<float>::infinity();
 }
 
+thread_local RouterMarginProbe* active_probe = nullptr;
+
 }  // namespace
+
+RouterMarginProbe::RouterMarginProbe()
+    : previous_(active_probe), min_margin_(std::numeric_limits<float>::infinity()) {
+  active_probe = this;
+}
+
+RouterMarginProbe::~RouterMarginProbe() {
+  active_probe = previous_;
+}
+
+void RouterMarginProbe::record(float margin) {
+  min_margin_ = std::min(min_margin_, margin);
+  ++selections_;
+}
 
 void route(const WeightMatrix& gate, const float* bias, const float* x, const RouterConfig& cfg,
            int* idx, float* weights) {
@@ -101,6 +117,14 @@ void route(const WeightMatrix& gate, const float* bias, const float* x, const Ro
   std::vector<int> order(static_cast<size_t>(E));  // expert ids, best top_k first
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + cfg.top_k, order.end(), Better{choice.data()});
+
+  if (active_probe && cfg.top_k < E) {
+    float left_out = -std::numeric_limits<float>::infinity();
+    for (int i = cfg.top_k; i < E; ++i)
+      left_out = std::max(left_out, choice[static_cast<size_t>(order[static_cast<size_t>(i)])]);
+    active_probe->record(choice[static_cast<size_t>(order[static_cast<size_t>(cfg.top_k - 1)])] -
+                         left_out);
+  }
 
   float sum = 0.0f;
   for (int i = 0; i < cfg.top_k; ++i) {

@@ -28,6 +28,26 @@ struct RouterConfig {
 void route(const WeightMatrix& gate, const float* bias, const float* x, const RouterConfig& cfg,
            int* idx, float* weights);
 
+// Test instrumentation: while a probe lives on this thread, route() records its selection
+// margins (the top_k-th choice score minus the best one left out). Two correct implementations
+// whose router inputs differ by bf16 rounding may pick different experts where a margin is
+// within that noise; tests that compare them use the probe to avoid such inputs.
+class RouterMarginProbe {
+ public:
+  RouterMarginProbe();
+  ~RouterMarginProbe();
+  RouterMarginProbe(const RouterMarginProbe&) = delete;
+  RouterMarginProbe& operator=(const RouterMarginProbe&) = delete;
+  float min_margin() const { return min_margin_; }  // +inf before any selection
+  int selections() const { return selections_; }
+  void record(float margin);
+
+ private:
+  RouterMarginProbe* previous_;
+  float min_margin_;
+  int selections_ = 0;
+};
+
 // y[down.rows] = down · act(gate · x, up · x). The activation output is rounded per `num`
 // (it is a bf16 GEMM input on the GPU); y is not rounded (the caller decides).
 void glu_mlp(const WeightMatrix& gate, const WeightMatrix& up, const WeightMatrix& down,

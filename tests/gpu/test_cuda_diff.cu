@@ -13,6 +13,7 @@
 #include "backbone_test_util.h"
 #include "cli/commands/diff_hook.h"
 #include "cpu/backbone.h"
+#include "cpu/ops_moe.h"
 #include "cpu/sampling.h"
 #include "cuda/step_diff.h"
 #include "test_util.h"
@@ -36,13 +37,47 @@ constexpr double kTieGap = 0.1;
 // this factor of the fp32 CPU reference's distance from the bf16 one on the same tokens.
 constexpr double kNoiseSlack = 1.5;
 
-cuda::StepDiffReport diff(const std::string& preset, uint64_t seed) {
+// Router near-ties: the two paths' router inputs differ by bf16 noise, so a top-k selection
+// whose margin is within that noise may pick another expert, an O(1) change that every later
+// step inherits (one failure in run 41: logits rel L2 0.435 on tiny-kimi-linear, whose CPU run
+// has a margin of 2.1e-5 at the first token; forty other prompts' smallest margins ranged
+// 5e-5 .. 3e-3). A prompt whose CPU bf16 run, greedy as the diff's stock tokens, holds a margin
+// below this is replaced by the next seed's.
+constexpr float kRouterTieMargin = 1e-4f;
+
+std::vector<int32_t> tie_free_prompt(const std::string& preset, uint64_t seed) {
+  const LoadedModel& m = tiny_model(preset);
+  const cpu::CpuBackbone ref = bf16_reference(m);
+  const int64_t V = m.config.vocab_size;
+  std::vector<int32_t> prompt;
+  for (uint64_t attempt = 0; attempt < 8; ++attempt) {
+    prompt.clear();
+    for (const int64_t t : random_prompt(m.config, seed + attempt, kPromptTokens))
+      prompt.push_back(static_cast<int32_t>(t));
+    const cpu::RouterMarginProbe probe;
+    cpu::DecodeState st = ref.new_state();
+    std::vector<float> logits(static_cast<size_t>(V));
+    int64_t tok = prompt[0];
+    for (int i = 0; i < kPromptTokens + kSteps - 1; ++i) {
+      ref.step(st, tok, logits.data());
+      tok = i + 1 < kPromptTokens ? prompt[static_cast<size_t>(i + 1)]
+                                  : cpu::argmax(logits.data(), V);
+    }
+    if (probe.min_margin() >= kRouterTieMargin) return prompt;
+    std::printf("%s: the prompt of seed %llu has a router near-tie (margin %.2e); next seed\n",
+                preset.c_str(), static_cast<unsigned long long>(seed + attempt),
+                static_cast<double>(probe.min_margin()));
+  }
+  ADD_FAILURE() << preset << ": 8 prompts in a row with a router near-tie";
+  return prompt;
+}
+
+cuda::StepDiffReport diff(const std::string& preset, const std::vector<int32_t>& prompt) {
   const LoadedModel& m = tiny_model(preset);
   cuda::StepDiffOptions o;
   o.steps = kSteps;
   o.tolerance = kTolerance;
-  for (const int64_t t : random_prompt(m.config, seed, kPromptTokens))
-    o.prompt.push_back(static_cast<int32_t>(t));
+  o.prompt = prompt;
   std::ostringstream text;
   cuda::StepDiffReport r = cuda::diff_specialized_vs_stock(m, o, text);
   std::printf("%s:\n%s", preset.c_str(), text.str().c_str());
@@ -116,7 +151,8 @@ NoiseFloor cpu_noise_floor(const std::string& preset, const std::vector<int32_t>
 TEST(CudaStepDiff, TinyKimiLinearWithinTolerance) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
-  const cuda::StepDiffReport r = diff("tiny-kimi-linear", seed);
+  const cuda::StepDiffReport r =
+      diff("tiny-kimi-linear", tie_free_prompt("tiny-kimi-linear", seed));
   expect_complete("tiny-kimi-linear", r);
   EXPECT_LE(r.max_sublayer_rel_l2(), kTolerance);
   EXPECT_LE(r.max_logits_rel_l2(), kTolerance);
@@ -129,11 +165,9 @@ TEST(CudaStepDiff, TinyKimiLinearWithinTolerance) {
 TEST(CudaStepDiff, TinyWithinBf16NoiseFloor) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
-  const cuda::StepDiffReport r = diff("tiny", seed);
+  const std::vector<int32_t> prompt = tie_free_prompt("tiny", seed);
+  const cuda::StepDiffReport r = diff("tiny", prompt);
   expect_complete("tiny", r);
-  std::vector<int32_t> prompt;
-  for (const int64_t t : random_prompt(tiny_model("tiny").config, seed, kPromptTokens))
-    prompt.push_back(static_cast<int32_t>(t));
   double mean = 0;
   for (const double d : r.logits_rel_l2) mean += d;
   mean /= r.steps;
