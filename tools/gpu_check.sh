@@ -10,7 +10,9 @@
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
-# K3_STEP_CUBLAS=1 (k3_bench_step once more with cuBLAS among the tuned GEMM plans).
+# K3_STEP_CUBLAS=1 (k3_bench_step once more with cuBLAS among the tuned GEMM plans),
+# K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
+# racecheck, where the machine's runtime supports it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -52,6 +54,22 @@ fi
 echo "== k3_gpu_tests" | tee -a "$log"
 "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${K3_GPU_FILTER:+--gtest_filter=$K3_GPU_FILTER} 2>&1 | tee -a "$log"
 tests_rc=${PIPESTATUS[0]}
+
+# Memory errors and shared-memory races in a subset of the GPU tests (compute-sanitizer needs
+# the Firecracker runtime; gVisor refuses the device, reported as such).
+sanitize_rc=0
+if [ -n "${K3_SANITIZE:-}" ]; then
+  : >"$out_dir/sanitizer.log"
+  for tool in memcheck racecheck; do
+    echo "== compute-sanitizer --tool $tool k3_gpu_tests --gtest_filter=$K3_SANITIZE" |
+      tee -a "$log" "$out_dir/sanitizer.log" >/dev/null
+    compute-sanitizer --tool "$tool" --error-exitcode 3 "$bin_dir/k3_gpu_tests" --gtest_brief=1 \
+      --gtest_filter="$K3_SANITIZE" >>"$out_dir/sanitizer.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: rc $rc" | tee -a "$log" "$out_dir/sanitizer.log" >/dev/null
+    [ "$rc" -ne 0 ] && sanitize_rc=$rc
+  done
+fi
 
 bench_rc=0
 if [ -z "${K3_SKIP_OPS:-}" ]; then
@@ -108,6 +126,9 @@ fi
        grep -E '^\[  FAILED  \]' "$log" | sort -u | head -20
        grep -E 'Failure|outside tolerance|not written|differ' "$log" | head -20 ;;
   esac
+  if [ -n "${K3_SANITIZE:-}" ]; then
+    grep -E '^compute-sanitizer|ERROR SUMMARY|Device not supported' "$out_dir/sanitizer.log"
+  fi
   [ -f "$out_dir/bench_ops.log" ] && echo "k3_bench_ops: rc $bench_rc (full output: $out_dir/bench_ops.log)"
   if [ ! -f "$out_dir/bench_ops.log" ]; then
     :
@@ -138,4 +159,4 @@ fi
 } | tee -a "$log"
 
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ] && [ "$step_rc" -eq 0 ] &&
-  [ "$diff_rc" -eq 0 ]
+  [ "$diff_rc" -eq 0 ] && [ "$sanitize_rc" -eq 0 ]
