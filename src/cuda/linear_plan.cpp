@@ -271,11 +271,24 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
 }
 
 namespace {
+// A process-wide switch's first value, from the environment: "1" turns on a switch that is off
+// by default, "0" turns off one that is on.
+bool env_switch(const char* name, bool default_on) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return default_on;
+  return default_on ? std::string(v) != "0" : std::string(v) == "1";
+}
+
 std::atomic<bool>& batch_invariant_flag() {
-  static std::atomic<bool> on{[] {
-    const char* v = std::getenv("K3_BATCH_INVARIANT");
-    return v != nullptr && std::string(v) == "1";
-  }()};
+  static std::atomic<bool> on{env_switch("K3_BATCH_INVARIANT", false)};
+  return on;
+}
+std::atomic<bool>& linear_tuning_flag() {
+  static std::atomic<bool> on{env_switch("K3_LINEAR_TUNING", true)};
+  return on;
+}
+std::atomic<bool>& cublas_plans_flag() {
+  static std::atomic<bool> on{env_switch("K3_CUBLAS_PLANS", false)};
   return on;
 }
 }  // namespace
@@ -287,32 +300,12 @@ void set_batch_invariant(bool on) {
   batch_invariant_flag().store(on);
 }
 
-namespace {
-std::atomic<bool>& linear_tuning_flag() {
-  static std::atomic<bool> on{[] {
-    const char* v = std::getenv("K3_LINEAR_TUNING");
-    return v == nullptr || std::string(v) != "0";
-  }()};
-  return on;
-}
-}  // namespace
-
 bool linear_tuning() {
   return linear_tuning_flag().load();
 }
 void set_linear_tuning(bool on) {
   linear_tuning_flag().store(on);
 }
-
-namespace {
-std::atomic<bool>& cublas_plans_flag() {
-  static std::atomic<bool> on{[] {
-    const char* v = std::getenv("K3_CUBLAS_PLANS");
-    return v != nullptr && std::string(v) == "1";
-  }()};
-  return on;
-}
-}  // namespace
 
 bool cublas_plans() {
   return cublas_plans_flag().load();
