@@ -11,12 +11,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "core/numeric.h"
 #include "core/rng.h"
+#include "cpu/ops_basic.h"
 #include "cuda/check.h"
 #include "cuda/cublas_linear.h"
 #include "cuda/device_buffer.h"
@@ -26,6 +28,7 @@
 #include "cuda/skinny_gemm.cuh"
 #include "cuda/step_ops.h"
 #include "gpu/gpu_check_util.h"
+#include "model/weight_matrix.h"
 #include "test_util.h"
 
 namespace k3 {
@@ -36,18 +39,32 @@ using cuda::DeviceBuffer;
 
 constexpr gpu_test::Tol kGemmBf16Out{1.0, 1e-3};  // as test_cuda_ops.cu: only the k order differs
 
-// y[m, n] = sum_k x[m * ldx + k] * w[n * K + k] in double, rounded to bf16.
-std::vector<float> host_linear(const std::vector<uint16_t>& x, int64_t ldx,
-                               const std::vector<uint16_t>& w, int64_t M, int64_t N, int64_t K) {
-  std::vector<float> y(static_cast<size_t>(M * N));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < N; ++n) {
-      double s = 0;
-      for (int64_t k = 0; k < K; ++k)
-        s += static_cast<double>(bf16_to_float(x[m * ldx + k])) * bf16_to_float(w[n * K + k]);
-      y[m * N + n] = bf16_to_float(float_to_bf16(static_cast<float>(s)));
+// The CPU oracle (cpu::linear_rows) for weight rows `rows` of w [N, K] bf16 and token rows
+// x[m * ldx ..] (m < M), rounded to bf16 as the GPU stores it: [M][rows.size()].
+std::vector<float> oracle_rows(const std::vector<uint16_t>& w, int64_t N, int64_t K,
+                               const std::vector<uint16_t>& x, int64_t ldx, int64_t M,
+                               const std::vector<int64_t>& rows) {
+  WeightMatrix wm;
+  wm.name = "w", wm.format = WeightFormat::BF16, wm.rows = N, wm.cols = K, wm.data = w.data();
+  std::vector<float> xf(static_cast<size_t>(K)), out;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) xf[static_cast<size_t>(k)] = bf16_to_float(x[m * ldx + k]);
+    for (const int64_t r : rows) {
+      float y = 0.0f;
+      cpu::linear_rows(wm, r, 1, xf.data(), &y);
+      out.push_back(bf16_to_float(float_to_bf16(y)));
     }
-  return y;
+  }
+  return out;
+}
+
+// The GPU's y[m * ldy + r] (bf16 bits) for the same [M][rows] order.
+std::vector<float> gather_rows(const std::vector<uint16_t>& y, int64_t ldy, int64_t M,
+                               const std::vector<int64_t>& rows) {
+  std::vector<float> out;
+  for (int64_t m = 0; m < M; ++m)
+    for (const int64_t r : rows) out.push_back(bf16_to_float(y[static_cast<size_t>(m * ldy + r)]));
+  return out;
 }
 
 TEST(CudaCublasPlan, StridedOperandsAgainstTheOracle) {
@@ -68,18 +85,14 @@ TEST(CudaCublasPlan, StridedOperandsAgainstTheOracle) {
                       y.data(), ldy, false, nullptr);
     K3_CUDA_CHECK(cudaDeviceSynchronize());
     const auto yh = cuda::to_host<uint16_t>(y);
-    std::vector<float> got;
     int64_t touched = 0;
     for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < ldy; ++c) {
-        const uint16_t v = yh[static_cast<size_t>(m * ldy + c)];
-        if (c < N)
-          got.push_back(bf16_to_float(v));
-        else if (v != 0xffff)
-          ++touched;
-      }
+      for (int64_t c = N; c < ldy; ++c) touched += yh[static_cast<size_t>(m * ldy + c)] != 0xffff;
     EXPECT_EQ(touched, 0) << "columns past N written";
-    gpu_test::expect_close(got, host_linear(xh, ldx, wh, M, N, K), kGemmBf16Out, "cuBLAS plan");
+    std::vector<int64_t> rows(static_cast<size_t>(N));
+    std::iota(rows.begin(), rows.end(), 0);
+    gpu_test::expect_close(gather_rows(yh, ldy, M, rows), oracle_rows(wh, N, K, xh, ldx, M, rows),
+                           kGemmBf16Out, "cuBLAS plan");
   }
 }
 
@@ -145,19 +158,11 @@ TEST(CudaCublasPlan, TunedWithCublasCandidates) {
   K3_CUDA_CHECK(cudaDeviceSynchronize());
   const auto yh = cuda::to_host<uint16_t>(y);
   // Oracle on every 37th weight row (and the last).
-  std::vector<float> got, ref;
   std::vector<int64_t> rows;
   for (int64_t n = 0; n < N; n += 37) rows.push_back(n);
   rows.push_back(N - 1);
-  for (const int64_t n : rows)
-    for (int64_t m = 0; m < M; ++m) {
-      double acc = 0;
-      for (int64_t k = 0; k < K; ++k)
-        acc += static_cast<double>(bf16_to_float(xh[m * K + k])) * bf16_to_float(wh[n * K + k]);
-      ref.push_back(bf16_to_float(float_to_bf16(static_cast<float>(acc))));
-      got.push_back(bf16_to_float(yh[static_cast<size_t>(m * N + n)]));
-    }
-  gpu_test::expect_close(got, ref, kGemmBf16Out, "tuned with cuBLAS candidates");
+  gpu_test::expect_close(gather_rows(yh, N, M, rows), oracle_rows(wh, N, K, xh, K, M, rows),
+                         kGemmBf16Out, "tuned with cuBLAS candidates");
 
   cuda::add_bf16(y.data(), add.data(), M * N, y.data(), nullptr);
   DeviceBuffer<bf16> y_fused(static_cast<size_t>(M * N));
