@@ -14,6 +14,8 @@
 // streams its own weights as a real rank does.
 // Context: every row's cache is made --context long (deterministic synthetic latents).
 // Verify: --verify-q (default 2,4,8) times one request's q tokens as one step at batch 1.
+// Flips: with tuning, the specialized path's SpecializedTuning choices are timed one by one
+// (--no-flips skips them: a second run under another environment switch).
 // Trace: --trace prints each path's kernel timeline of one more replay (CUPTI; kernel_trace.h).
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
@@ -59,7 +61,7 @@ constexpr double kPeakTBps = 4.3;
 
 struct Args {
   int layers = 8, tp = 16, ep = 16, replays = 20, template_layers = 8;
-  bool dsa = false, profile = true, tuning = true, trace = false;
+  bool dsa = false, profile = true, tuning = true, trace = false, flips = true;
   std::vector<std::string> paths = {"stock", "specialized"};
   std::vector<int> batches = {1, 8, 64};
   std::vector<int64_t> contexts = {1024, 32768};
@@ -99,6 +101,8 @@ Args parse(int argc, char** argv) {
       a.template_layers = std::atoi(v), ++i;
     else if (k == "--no-profile")
       a.profile = false;
+    else if (k == "--no-flips")
+      a.flips = false;
     else if (k == "--no-tuning")
       a.tuning = false;
     else if (k == "--trace")
@@ -594,7 +598,7 @@ int run(const Args& a) {
         }
       }
       if (want_spec && want_stock) row.rel = paths_rel_l2(bb, rows, ctx, V, slots, toks);
-      if (want_spec && a.tuning)
+      if (want_spec && a.tuning && a.flips)
         time_tuning_flips(bb, a, rows, ctx, row.floor_ms, slots, toks, flush);
       table.push_back(row);
     }

@@ -10,7 +10,8 @@
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
-# K3_STEP_CUBLAS=1 (k3_bench_step once more with cuBLAS among the tuned GEMM plans),
+# K3_STEP_VARIANTS (space-separated VAR=VALUE switches, e.g. "K3_CUBLAS_PLANS=1 K3_MXFP4_GEMV=0":
+# k3_bench_step once more under each, without the flips, into bench_step_<VAR>.log),
 # K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
 # racecheck, where the machine's runtime supports it).
 set -uo pipefail
@@ -93,14 +94,14 @@ if [ -x "$bin_dir/k3_bench_step" ] && [ -z "${K3_SKIP_STEP:-}" ]; then
   # shellcheck disable=SC2086
   "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 | tee "$out_dir/bench_step.log" | tee -a "$log" >/dev/null
   step_rc=${PIPESTATUS[0]}
-  if [ -n "${K3_STEP_CUBLAS:-}" ]; then
-    echo "== K3_CUBLAS_PLANS=1 k3_bench_step ${K3_STEP_ARGS:-}" | tee -a "$log"
+  for variant in ${K3_STEP_VARIANTS:-}; do
+    echo "== $variant k3_bench_step ${K3_STEP_ARGS:-} --no-flips" | tee -a "$log"
     # shellcheck disable=SC2086
-    K3_CUBLAS_PLANS=1 "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 |
-      tee "$out_dir/bench_step_cublas.log" | tee -a "$log" >/dev/null
+    env "$variant" "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} --no-flips 2>&1 |
+      tee "$out_dir/bench_step_${variant%%=*}.log" | tee -a "$log" >/dev/null
     rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && step_rc=$rc
-  fi
+  done
 fi
 
 # The specialized step against the stock one, per layer (optional binary: `k3 diff`).
@@ -152,10 +153,12 @@ fi
     grep -E '^k3_bench_step' "$out_dir/bench_step.log" | head -2
     awk '/^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step.log"
   fi
-  if [ -f "$out_dir/bench_step_cublas.log" ]; then
-    echo "k3_bench_step with cuBLAS plans (full output: $out_dir/bench_step_cublas.log)"
-    awk '/^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step_cublas.log"
-  fi
+  for variant in ${K3_STEP_VARIANTS:-}; do
+    f="$out_dir/bench_step_${variant%%=*}.log"
+    [ -f "$f" ] || continue
+    echo "k3_bench_step with $variant (full output: $f)"
+    awk '/^=+ summary/{p=1} p' "$f"
+  done
 } | tee -a "$log"
 
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$attn_rc" -eq 0 ] && [ "$step_rc" -eq 0 ] &&

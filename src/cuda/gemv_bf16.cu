@@ -23,15 +23,6 @@ namespace {
 
 constexpr int kGemvWarps = 8;
 
-// A streamed weight load: read once, kept out of L1.
-__device__ __forceinline__ uint4 ldg_stream(const void* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
   const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
   const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&x);

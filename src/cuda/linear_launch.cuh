@@ -18,6 +18,7 @@
 #include "cuda/cluster_launch.cuh"
 #include "cuda/cublas_linear.h"
 #include "cuda/gemv_bf16.h"
+#include "cuda/gemv_mxfp4.h"
 #include "cuda/linear_fallback.cuh"
 #include "cuda/linear_plan.h"
 #include "cuda/skinny_gemm.cuh"
@@ -123,6 +124,7 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
     return cudaGetLastError();
   }
   if (p.gemv()) return launch_gemv_bf16(p, a, stream);
+  if (p.gemv_fp4()) return launch_gemv_mxfp4(p, a, stream);
   if (p.cublas) return launch_cublas_linear(p, a, stream);
   a.wn = p.wn, a.wk = p.wk, a.ck = p.ck, a.stages = p.stages, a.chunks = p.chunks;
   a.n_slots = p.groups;

@@ -3,32 +3,18 @@
 // 128+32c..), i.e. exactly one E8M0 block per piece, plus the row's 8 scale bytes (8-byte
 // cp.async). A warp covers 128 contiguous packed bytes of each row per chunk.
 //
-// Dequantization (2 LOP + 1 shift + 1 bf16x2 multiply per pair of values): with t = q << 12-4i,
-//   (t & 0x80008000) | ((t >> 6) & 0x01C001C0)
-// puts nibbles i and i+4 of the 32-bit word q into the two bf16 halves as sign | e2m1 bits << 6,
-// which is exactly value * 2^-126 (the e2m1 subnormal 0.5 lands on the bf16 subnormal 2^-127).
-// One multiply by 2^(s-1) = 2^126 * 2^(s-127) then gives the exact bf16 value; scales above
-// 2^1 (s > 128, rare) need two multiplies, taken when any lane of the warp has one. The pairs
-// come out as k order [0,4,1,5,2,6,3,7] per 8 values; x is staged in that order.
+// Dequantization: mxfp4_dequant.cuh (exact bf16, pairs in k order [0,4,1,5,2,6,3,7]; x is staged
+// in that order).
 #include "cuda/linear_mxfp4.h"
 
 #include "core/error.h"
 #include "cuda/device_util.cuh"
 #include "cuda/linear_launch.cuh"
+#include "cuda/mxfp4_dequant.cuh"
 
 namespace k3::cuda {
 namespace detail {
 namespace {
-
-__device__ __forceinline__ uint32_t e2m1x2_raw(uint32_t t) {
-  return (t & 0x80008000u) | ((t >> 6) & 0x01C001C0u);
-}
-// bf16x2 multiply (the intrinsic vLLM's Marlin uses on the same subnormal-encoded pairs).
-__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b) {
-  const __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
 
 struct Mxfp4Format {
   using PlanKey = Mxfp4Format;  // its plans (linear_launch.cuh: tuned_plans)
@@ -94,13 +80,7 @@ struct Mxfp4Format {
         for (int h = 0; h < 2; ++h) {
           wv[i][h] = lds128(slot + (((i * 2 + h) * 2 + j) * 32 + lane) * 16);
           const uint32_t s = ((j ? sc[i][h].y : sc[i][h].x) >> (8 * c)) & 0xffu;
-          if (!kTwo) {
-            f1[i][h] = ((s + 126u) << 7) * 0x10001u;  // 2^(s-1), s <= 128
-            f2[i][h] = 0;
-          } else {
-            f1[i][h] = 0x7E807E80u;  // 2^126
-            f2[i][h] = s == 255u ? 0x7FC07FC0u : s == 0u ? 0x00400040u : (s << 7) * 0x10001u;
-          }
+          mxfp4_factors<kTwo>(s, f1[i][h], f2[i][h]);
         }
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -108,15 +88,8 @@ struct Mxfp4Format {
 #pragma unroll
         for (int i = 0; i < MT; ++i)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t q = word(wv[i][h], w);
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {
-              uint32_t v = mul_bf16x2(e2m1x2_raw(q << (12 - 4 * p)), f1[i][h]);
-              if (kTwo) v = mul_bf16x2(v, f2[i][h]);
-              pr[i][h][p] = v;
-            }
-          }
+          for (int h = 0; h < 2; ++h)
+            mxfp4_pairs<kTwo>(word(wv[i][h], w), f1[i][h], f2[i][h], pr[i][h]);
         // x_unit((kloc + j*128 + c*32 + w*8) / 8) with kloc % 256 == 0: the swizzle flips bit 1
         // where bit 3 is set, i.e. lane-constant on c >= 2 (saves its integer chain per word).
         const int unit = (kloc >> 3) + j * 16 + c * 4 + (w ^ ((c >> 1) << 1));

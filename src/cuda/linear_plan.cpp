@@ -53,6 +53,11 @@ std::string LinearPlan::str() const {
     return os.str();
   }
   if (cublas) return "cublas";
+  if (gemv_fp4()) {
+    os << "gemv-fp4 p" << gemv_fp4_pieces << " w" << threads() / 32 << " grid" << grid_x() << "x"
+       << slot_ctas() << " smem" << (smem_bytes + 1023) / 1024 << "K";
+    return os.str();
+  }
   if (gemv()) {
     os << "gemv ks" << gemv_ks << " rpw" << gemv_rpw << " grid" << grid_x();
     return os.str();
@@ -62,6 +67,17 @@ std::string LinearPlan::str() const {
      << (active_groups > 0 && active_groups < groups ? " busy" + std::to_string(active_groups) : "")
      << " smem" << (smem_bytes + 1023) / 1024 << "K";
   return os.str();
+}
+
+int LinearPlan::threads() const {
+  if (gemv()) return 256;
+  if (gemv_fp4()) return 32 * gemv_mxfp4_warps(k, gemv_fp4_pieces);
+  return 32 * wn * wk;
+}
+
+int gemv_mxfp4_warps(int64_t k, int pieces) {
+  const int64_t n_pieces = k / kGemvMxfp4PieceK;
+  return static_cast<int>((n_pieces + pieces - 1) / pieces);
 }
 
 int linear_chunk_k(LinearWeight w) {
@@ -93,6 +109,20 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
     p.chunks = 0, p.x_pitch = 0, p.x_bytes = 0, p.smem_bytes = 0;
     return p.weight == LinearWeight::BF16 && p.groups == 1 && p.m >= 1 && p.m <= 64 &&
            p.gemv_ks == 0 && p.n <= 0x7fffffff && p.k <= 0x7fffffff;
+  }
+  if (p.gemv_fp4()) {
+    if (p.weight != LinearWeight::MXFP4 || p.m < 1 || p.m > kGemvMxfp4MaxRows || p.k % 256 != 0 ||
+        p.gemv_ks != 0 || p.k > 0x7fffffff || p.n > 0x7fffffff)
+      return false;
+    if (p.gemv_fp4_pieces != 1 && p.gemv_fp4_pieces != 2 && p.gemv_fp4_pieces != 4) return false;
+    if (p.threads() > gemv_mxfp4_max_threads(p.gemv_fp4_pieces)) return false;
+    // Per warp: its pieces of every x row (+16 B: conflict-free with the swizzle); then one
+    // [pieces][rows][16] partial tile per 128-k piece, summed in piece order.
+    p.chunks = static_cast<int>(p.k / kGemvMxfp4PieceK);
+    p.x_pitch = p.gemv_fp4_pieces * kGemvMxfp4PieceK * 2 + 16;
+    p.x_bytes = static_cast<size_t>(p.threads() / 32) * p.m * p.x_pitch;
+    p.smem_bytes = p.x_bytes + static_cast<size_t>(p.chunks) * p.m * 16 * sizeof(float);
+    return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
   }
   if (p.gemv()) {
     if (p.weight != LinearWeight::BF16 || p.m < 1 || p.m > kGemvMaxRows || p.groups != 1 ||
@@ -204,6 +234,32 @@ double gemv_model_us(const LinearPlan& p, const DeviceLimits& d) {
   return (bytes / bw + t_x) * 1e6 + 0.5 + 0.05 * p.gemv_ks;
 }
 
+// MXFP4 GEMV plans: every warp requests all its bytes at once, so a wave of CTAs streams at
+// the read curve when the bytes it holds in flight cover the latency, plus a latency per wave
+// and the dequantization and mma work of a warp's pieces, which run one after another. Priced
+// for one weight matrix whatever the slot counts, so that launches of one expert shape with
+// other slot counts (the stock and specialized paths) make the same pick.
+double gemv_fp4_model_us(const LinearPlan& p, const DeviceLimits& d) {
+  constexpr double kInFlightPerSm = 48.0 * 1024;
+  constexpr double kWaveLatencyUs = 1.5;
+  constexpr double kPieceUs = 0.25;  // one warp's dequantization and 8 mma of 16 x 128 weights
+  const int regs = p.gemv_fp4_pieces >= 4 ? 80 : 64;
+  const int threads = p.threads();
+  int occ = d.max_threads_per_sm / threads;
+  occ = std::min(occ, d.regs_per_sm / (threads * regs));
+  occ = std::min<int>(occ, static_cast<int>(d.smem_per_sm / (p.smem_bytes + 1024)));
+  if (occ <= 0) return 1e30;
+  const double bytes = linear_weight_bytes(LinearWeight::MXFP4, p.n, p.k);
+  const double grid = static_cast<double>(p.grid_x());
+  const double conc = static_cast<double>(d.sms) * occ;
+  const double waves = std::ceil(grid / conc);
+  const double per_sm = std::min<double>(occ, grid / d.sms);
+  const double in_flight = per_sm * threads * p.gemv_fp4_pieces * 34.0;  // 32 packed + 2 scale B
+  const double bw = h200_read_curve_tbps(bytes) * 1e12 * std::min(1.0, in_flight / kInFlightPerSm);
+  const double t_w = bytes / bw * (waves * std::min(grid, conc) / grid) * 1e6;
+  return t_w + waves * (kWaveLatencyUs + kPieceUs * p.gemv_fp4_pieces) + kCtaReduceUs;
+}
+
 }  // namespace
 
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
@@ -267,6 +323,23 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
     std::stable_sort(gemv.begin(), gemv.end(), by_model);
     out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
   }
+  // MXFP4 launches of 1..8 rows per slot, likewise: at one row the tiled kernel's shared-memory
+  // ring leaves it latency-bound (ncu: one CTA per SM, DRAM at 10% of peak), which the GEMV's
+  // all-in-registers loads avoid; with more rows the tilings go first and the tuner decides.
+  if (w == LinearWeight::MXFP4 && m <= kGemvMxfp4MaxRows && !batch_invariant() &&
+      mxfp4_gemv_plans()) {
+    std::vector<LinearPlan> gemv;
+    for (int pieces : {1, 2, 4}) {
+      LinearPlan p;
+      p.weight = w, p.m = m, p.n = n, p.k = k, p.groups = groups, p.active_groups = active_groups;
+      p.gemv_fp4_pieces = pieces;
+      if (!finalize_plan(p, d)) continue;
+      p.model_us = gemv_fp4_model_us(p, d);
+      gemv.push_back(p);
+    }
+    std::stable_sort(gemv.begin(), gemv.end(), by_model);
+    out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
+  }
   return out;
 }
 
@@ -289,6 +362,10 @@ std::atomic<bool>& linear_tuning_flag() {
 }
 std::atomic<bool>& cublas_plans_flag() {
   static std::atomic<bool> on{env_switch("K3_CUBLAS_PLANS", false)};
+  return on;
+}
+std::atomic<bool>& mxfp4_gemv_flag() {
+  static std::atomic<bool> on{env_switch("K3_MXFP4_GEMV", true)};
   return on;
 }
 }  // namespace
@@ -314,6 +391,13 @@ void set_cublas_plans(bool on) {
   cublas_plans_flag().store(on);
 }
 
+bool mxfp4_gemv_plans() {
+  return mxfp4_gemv_flag().load();
+}
+void set_mxfp4_gemv_plans(bool on) {
+  mxfp4_gemv_flag().store(on);
+}
+
 LinearPlan cublas_plan(int m, int64_t n, int64_t k) {
   K3_CHECK(m >= 1 && m <= 64 && n >= 1 && k >= 1, "cuBLAS plan: shape ", m, "x", n, "x", k);
   LinearPlan p;
@@ -328,7 +412,7 @@ bool cublas_plan_applies(LinearWeight w, int groups, bool glu_input, bool invari
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {
   std::vector<LinearPlan> out;
   for (const LinearPlan& p : c)
-    if (!p.fallback && !p.gemv() && !p.cublas && p.wk == anchor.wk && p.ck == anchor.ck)
+    if (!p.fallback && !p.streams_rows() && !p.cublas && p.wk == anchor.wk && p.ck == anchor.ck)
       out.push_back(p);
   return out;
 }
@@ -373,11 +457,11 @@ std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked, 
   std::vector<LinearPlan> out;
   // The best six GEMV plans (where the shape has any), then up to 12 tiled ones.
   for (const LinearPlan& p : ranked)
-    if (p.gemv() && out.size() < 6) out.push_back(p);
+    if (p.streams_rows() && out.size() < 6) out.push_back(p);
   const size_t n_gemv = out.size();
   const auto have = [&](auto pred) { return std::any_of(out.begin() + n_gemv, out.end(), pred); };
   for (const LinearPlan& p : ranked) {
-    if (p.gemv()) continue;
+    if (p.streams_rows()) continue;
     if (out.size() - n_gemv >= 12) break;
     if (have([&](const LinearPlan& q) { return q.str() == p.str(); })) continue;
     const bool novel = out.size() - n_gemv < 6 ||

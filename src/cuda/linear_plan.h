@@ -51,6 +51,10 @@ struct LinearPlan {
   // segments x (8 / ks) row lanes, each warp streaming rpw rows with its x segment in
   // registers. 0: a tiled mma plan (the knobs above).
   int gemv_ks = 0, gemv_rpw = 0;
+  // An MXFP4 GEMV plan instead (1..8 token rows per slot, dense or grouped, plain or GLU x;
+  // gemv_mxfp4.cu): a CTA per 16 weight rows, each warp holding gemv_fp4_pieces 128-k pieces of
+  // them in registers. 0: not one.
+  int gemv_fp4_pieces = 0;
   // cuBLAS instead (bf16, dense, no folded epilogue; cublas_linear.h): a plan only the tuner
   // picks, by measuring it beside the kernels.
   bool cublas = false;
@@ -62,8 +66,13 @@ struct LinearPlan {
   double model_us = 0;    // the planner's cost estimate
 
   bool gemv() const { return gemv_ks > 0; }
-  int threads() const { return gemv() ? 256 : 32 * wn * wk; }
-  int rows_per_cta() const { return gemv() ? 8 / gemv_ks * gemv_rpw : 16 * mt * wn; }
+  bool gemv_fp4() const { return gemv_fp4_pieces > 0; }
+  // Either GEMV kind (weights streamed into registers; no mma tiling knobs).
+  bool streams_rows() const { return gemv() || gemv_fp4(); }
+  int threads() const;
+  int rows_per_cta() const {
+    return gemv() ? 8 / gemv_ks * gemv_rpw : gemv_fp4() ? 16 : 16 * mt * wn;
+  }
   int64_t row_tiles() const { return (n + rows_per_cta() - 1) / rows_per_cta(); }
   int64_t grid_x() const { return row_tiles() * ck; }
   // Grouped: rows of CTAs along y, each taking its turn over the slots (skinny_gemm.cuh): one
@@ -95,6 +104,15 @@ constexpr int gemv_max_units_per_lane(int m) {
   return m == 1 ? 8 : 4;
 }
 
+// MXFP4 GEMV (gemv_mxfp4.cu): k per piece, token rows per slot, and the threads its instance
+// for p pieces per warp allows (a warp per p pieces of K / 128).
+constexpr int kGemvMxfp4PieceK = 128;
+constexpr int kGemvMxfp4MaxRows = 8;
+constexpr int gemv_mxfp4_max_threads(int pieces) {
+  return pieces >= 4 ? 512 : 1024;
+}
+int gemv_mxfp4_warps(int64_t k, int pieces);
+
 // Fills the derived fields of a plan whose knobs are set; false when it cannot run (shared
 // memory, threads, more k workers than chunks).
 bool finalize_plan(LinearPlan& p, const DeviceLimits& d);
@@ -121,6 +139,11 @@ void set_linear_tuning(bool on);
 // the per-op gain at 8-64 rows is measured (bench/RESULTS.md), the step's is not yet.
 bool cublas_plans();
 void set_cublas_plans(bool on);
+// MXFP4 GEMV plans among the candidates (on by default; K3_MXFP4_GEMV=0, or
+// set_mxfp4_gemv_plans(false) before the first step, leaves the tilings alone: a flip for the
+// step benchmark).
+bool mxfp4_gemv_plans();
+void set_mxfp4_gemv_plans(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
@@ -131,17 +154,18 @@ LinearPlan cublas_plan(int m, int64_t n, int64_t k);
 bool cublas_plan_applies(LinearWeight w, int groups, bool glu_input, bool invariant);
 
 // Every valid plan for the problem, cheapest model estimate first (empty when only the fallback
-// applies); dense bf16 launches of 1..4 rows (outside batch invariance) also get GEMV plans,
-// first for one row and after the tilings otherwise. The best is what the launchers use
-// untuned; the tuner and the bench time the others.
+// applies); dense bf16 launches of 1..4 rows and MXFP4 launches of 1..8 rows per slot (outside
+// batch invariance) also get GEMV plans, first for one row and after the tilings otherwise. The
+// best is what the launchers use untuned; the tuner and the bench time the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
                                           const DeviceLimits& d, const LinearRegs& regs,
                                           int active_groups = 0);
 
 namespace detail {
 // The plans the tuner times (linear_launch.cuh), from a model-ranked candidate list: the best
-// six GEMV plans (where the shape has any), then up to 12 tilings (the top six, then the best of
-// each cluster size and warps-along-K count not yet in), then, with_cublas, the cuBLAS plan.
+// six GEMV plans of either kind (where the shape has any), then up to 12 tilings (the top six, then
+// the best of each cluster size and warps-along-K count not yet in), then, with_cublas, the cuBLAS
+// plan.
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked,
                                          bool with_cublas = false);
 }  // namespace detail

@@ -88,6 +88,16 @@ __device__ __forceinline__ uint4 ld_act128(const void* p) {
   return v;
 }
 
+// A streamed weight load (read-only for the whole step, read once): kept out of L1. Weights may
+// be requested before griddepcontrol.wait, no earlier kernel writes them.
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 // Word i (compile-time after unrolling) of a 16-byte vector.
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

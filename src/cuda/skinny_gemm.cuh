@@ -85,6 +85,69 @@ __device__ __forceinline__ uint4 permute_x8(uint4 v) {
                     __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
 }
 
+// 8 x values of x row xr from k = kk (zero past K): bf16 from x, or, kGlu, bf16(glu(g, u)) from
+// fp32 g and u, rounded as cuda::glu rounds them. x is an earlier kernel's output: not __ldg.
+template <bool kGlu>
+__device__ __forceinline__ uint4 load_x8(const SkinnyArgs& a, int xr, int kk) {
+  if (kk >= a.k) return make_uint4(0, 0, 0, 0);
+  if constexpr (kGlu) {
+    const float* gp = a.x_glu + static_cast<int64_t>(xr) * a.ld_glu + kk;
+    const float4 g0 = *reinterpret_cast<const float4*>(gp);
+    const float4 g1 = *reinterpret_cast<const float4*>(gp + 4);
+    const float4 u0 = *reinterpret_cast<const float4*>(gp + a.glu_up);
+    const float4 u1 = *reinterpret_cast<const float4*>(gp + a.glu_up + 4);
+    const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    const float uv[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(
+          glu_apply(a.glu, gv[2 * q], uv[2 * q]), glu_apply(a.glu, gv[2 * q + 1], uv[2 * q + 1]));
+      w[q] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  } else {
+    return ld_act128(a.x + static_cast<int64_t>(xr) * a.ldx + kk);
+  }
+}
+
+// Grouped launches: calls fn(expert, first_row, rows) for the busy slots of this CTA's turn
+// (slots blockIdx.y, blockIdx.y + gridDim.y, ...; expert >= 0 and rows > 0), in slot order. 32
+// candidate slots per round: warp 0 reads them at once and lists the busy ones. The decision is
+// uniform over the CTA and a cluster (same slots, same device values); fn may use all of shared
+// memory but must leave the CTA synced.
+template <class Fn>
+__device__ __forceinline__ void for_each_busy_slot(const SkinnyArgs& a, Fn&& fn) {
+  __shared__ int busy_e[32], busy_off[32], busy_cnt[32];
+  __shared__ int n_busy;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = static_cast<int>(gridDim.y);
+  for (int base = static_cast<int>(blockIdx.y); base < a.n_slots; base += 32 * stride) {
+    if (warp == 0) {
+      const int s = base + lane * stride;
+      int e = -1, off = 0, cnt = 0;
+      if (s < a.n_slots) {  // through L2: this SM's L1 may hold a previous step's values
+        e = __ldcg(a.slot_expert + s);
+        off = __ldcg(a.slot_offsets + s);
+        cnt = __ldcg(a.slot_offsets + s + 1) - off;
+      }
+      const bool on = e >= 0 && cnt > 0;
+      const unsigned m = __ballot_sync(0xffffffffu, on);
+      if (on) {
+        const int i = __popc(m & ((1u << lane) - 1u));
+        busy_e[i] = e;
+        busy_off[i] = off;
+        busy_cnt[i] = cnt;
+      }
+      if (lane == 0) n_busy = __popc(m);
+    }
+    __syncthreads();
+    const int nb = n_busy;
+    for (int i = 0; i < nb; ++i) fn(busy_e[i], busy_off[i], busy_cnt[i]);
+    __syncthreads();  // every thread has read n_busy before warp 0 rewrites the list
+  }
+}
+
 // One row tile (blockIdx.x) of one weight: y rows [off, off + mx) = x rows . W^T (a dense
 // launch: off 0; a grouped one: a slot's rows, W its expert's). Uses all of shared memory; the
 // caller syncs the CTA before calling it again.
@@ -113,12 +176,6 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   // x slice: 16-byte units of k in [c_lo * kChunk, c_hi * kChunk) for rows 0..mx-1.
   const int units = (c_hi - c_lo) * Fmt::kChunk / 8;
   const int k_base = c_lo * Fmt::kChunk;
-  auto x_src = [&](int m, int u, bool& valid) {
-    const int kk = k_base + u * 8;
-    valid = kk < a.k;
-    const int xr = a.row_index ? a.row_index[off + m] : off + m;
-    return a.x + static_cast<int64_t>(xr) * a.ldx + (valid ? kk : 0);
-  };
   cp_async_commit();  // an empty group: keeps the ring's group accounting of the prologue
   // The W ring prologue: stages - 1 chunks in flight before any compute.
   for (int s = 0; s < a.stages - 1; ++s) {
@@ -131,33 +188,8 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
   for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
     const int m = i / units, u = i % units;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if constexpr (Fmt::kGluInput) {  // 8 activations from fp32 g and u, rounded as cuda::glu
-      const int kk = k_base + u * 8;
-      if (kk < a.k) {
-        const int xr = a.row_index ? a.row_index[off + m] : off + m;
-        const float* gp = a.x_glu + static_cast<int64_t>(xr) * a.ld_glu + kk;
-        const float4 g0 = *reinterpret_cast<const float4*>(gp);
-        const float4 g1 = *reinterpret_cast<const float4*>(gp + 4);
-        const float4 u0 = *reinterpret_cast<const float4*>(gp + a.glu_up);
-        const float4 u1 = *reinterpret_cast<const float4*>(gp + a.glu_up + 4);
-        const float gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
-        const float uv[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-        uint32_t w[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const __nv_bfloat162 h =
-              __floats2bfloat162_rn(glu_apply(a.glu, gv[2 * q], uv[2 * q]),
-                                    glu_apply(a.glu, gv[2 * q + 1], uv[2 * q + 1]));
-          w[q] = *reinterpret_cast<const uint32_t*>(&h);
-        }
-        v = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-    } else {
-      bool valid;
-      const __nv_bfloat16* src = x_src(m, u, valid);
-      if (valid) v = ld_act128(src);  // written by an earlier kernel: not __ldg
-    }
+    const int xr = a.row_index ? a.row_index[off + m] : off + m;
+    uint4 v = load_x8<Fmt::kGluInput>(a, xr, k_base + u * 8);
     if constexpr (Fmt::kXPermute) v = permute_x8(v);
     sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
   }
@@ -239,7 +271,6 @@ template <class Fmt, int NT, int MT>
 __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
     skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int mx_max = min(a.m, 8 * NT);
   if (!a.slot_expert) {  // dense: x is read after the weight prologue (it waits there)
     pdl_launch_dependents();
@@ -253,40 +284,14 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
   // grouping may set slots_ready.
   if (!a.slots_ready) pdl_wait();
   pdl_launch_dependents();
-  __shared__ int busy_e[32], busy_off[32], busy_cnt[32];
-  __shared__ int n_busy;
-  const int stride = static_cast<int>(gridDim.y);
-  // 32 candidate slots per round: warp 0 reads them at once and lists the busy ones. The
-  // decision is uniform over a cluster (same slots, same device values).
-  for (int base = static_cast<int>(blockIdx.y); base < a.n_slots; base += 32 * stride) {
-    if (warp == 0) {
-      const int s = base + lane * stride;
-      int e = -1, off = 0, cnt = 0;
-      if (s < a.n_slots) {  // through L2: this SM's L1 may hold a previous step's values
-        e = __ldcg(a.slot_expert + s);
-        off = __ldcg(a.slot_offsets + s);
-        cnt = __ldcg(a.slot_offsets + s + 1) - off;
-      }
-      const bool on = e >= 0 && cnt > 0;
-      const unsigned m = __ballot_sync(0xffffffffu, on);
-      if (on) {
-        const int i = __popc(m & ((1u << lane) - 1u));
-        busy_e[i] = e;
-        busy_off[i] = off;
-        busy_cnt[i] = cnt;
-      }
-      if (lane == 0) n_busy = __popc(m);
-    }
-    __syncthreads();
-    const int nb = n_busy;
-    for (int i = 0; i < nb; ++i) {
-      const int e = busy_e[i];
-      skinny_tile<Fmt, NT, MT>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
-                               min(busy_cnt[i], mx_max), busy_off[i], smem);
-      __syncthreads();  // shared memory is the next slot's
-    }
-    __syncthreads();  // every thread has read n_busy before warp 0 rewrites the list
-  }
+  for_each_busy_slot(a, [&](int e, int off, int cnt) {
+    skinny_tile<Fmt, NT, MT>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
+                             min(cnt, mx_max), off, smem);
+    __syncthreads();  // shared memory is the next slot's
+  });
+  // A CTA with no busy slot under slots_ready has not waited yet: its kernel must not complete
+  // before the previous one, or the next kernel's wait would not cover that one's writes.
+  pdl_wait();
 }
 
 }  // namespace k3::cuda::detail

@@ -119,6 +119,76 @@ TEST(LinearPlan, TuningShortlistTakesBothKinds) {
   }
 }
 
+std::vector<LinearPlan> fp4_gemv(const std::vector<LinearPlan>& c) {
+  std::vector<LinearPlan> out;
+  for (const auto& p : c)
+    if (p.gemv_fp4()) out.push_back(p);
+  return out;
+}
+
+// MXFP4 GEMV plans: 1..8 rows per slot with K % 256 == 0, dense and grouped, outside batch
+// invariance; 1, 2 or 4 pieces per warp within the instance's threads; first for one row only;
+// ranked alike whatever the slot counts (the stock and specialized launches of one expert shape
+// make the same pick); the tuner times them.
+TEST(LinearPlan, Mxfp4GemvPlans) {
+  const InvariantScope off(false);
+  const cuda::DeviceLimits d;
+  for (const auto& [n, k] : {std::pair<int64_t, int64_t>{3072, 3584}, {3584, 3072}, {40, 256}}) {
+    for (int m = 1; m <= cuda::kGemvMxfp4MaxRows; ++m) {
+      const auto c = candidates(LinearWeight::MXFP4, m, n, k);
+      const auto g = fp4_gemv(c);
+      ASSERT_EQ(g.size(), 3u) << m << " rows, " << n << "x" << k;
+      std::set<int> pieces;
+      for (const auto& p : g) {
+        pieces.insert(p.gemv_fp4_pieces);
+        EXPECT_FALSE(p.gemv()) << p.str();
+        EXPECT_TRUE(p.streams_rows());
+        EXPECT_EQ(p.rows_per_cta(), 16);
+        EXPECT_EQ(p.grid_x(), (n + 15) / 16);
+        const int warps = static_cast<int>((k / 128 + p.gemv_fp4_pieces - 1) / p.gemv_fp4_pieces);
+        EXPECT_EQ(p.threads(), 32 * warps) << p.str();
+        EXPECT_EQ(p.chunks, k / 128);
+        EXPECT_EQ(p.x_pitch, p.gemv_fp4_pieces * 256 + 16);
+        EXPECT_EQ(p.smem_bytes, static_cast<size_t>(warps) * m * p.x_pitch +
+                                    static_cast<size_t>(k / 128) * m * 16 * 4);
+        EXPECT_NE(p.str().find("gemv-fp4"), std::string::npos) << p.str();
+      }
+      EXPECT_EQ(pieces, (std::set<int>{1, 2, 4}));
+      EXPECT_EQ(c.front().gemv_fp4(), m == 1) << m << " rows: GEMV first for one row only";
+      if (m > 1) EXPECT_TRUE(c.back().gemv_fp4()) << "after the tilings";
+      // Grouped, other slot counts: the same GEMV plans in the same order.
+      for (const auto& [slots, busy] : {std::pair<int, int>{56, 1}, {16, 1}, {16, 0}}) {
+        const auto gg = fp4_gemv(
+            cuda::linear_candidates(LinearWeight::MXFP4, m, n, k, slots, d, nullptr, busy));
+        ASSERT_EQ(gg.size(), g.size());
+        for (size_t i = 0; i < g.size(); ++i) {
+          EXPECT_EQ(gg[i].gemv_fp4_pieces, g[i].gemv_fp4_pieces);
+          EXPECT_EQ(gg[i].model_us, g[i].model_us);
+        }
+      }
+      // The tuner's shortlist leads with them.
+      const auto list = cuda::detail::tuning_shortlist(c);
+      for (size_t i = 0; i < g.size(); ++i) EXPECT_EQ(list[i].str(), g[i].str());
+    }
+    EXPECT_TRUE(fp4_gemv(candidates(LinearWeight::MXFP4, 9, n, k)).empty()) << "9 rows";
+  }
+  EXPECT_TRUE(fp4_gemv(candidates(LinearWeight::MXFP4, 1, 64, 384)).empty()) << "K % 256 != 0";
+  EXPECT_TRUE(fp4_gemv(candidates(LinearWeight::BF16, 1, 3072, 3584)).empty()) << "bf16";
+  // 64 pieces: one per warp would take 2048 threads.
+  const auto big = fp4_gemv(candidates(LinearWeight::MXFP4, 1, 512, 8192));
+  ASSERT_EQ(big.size(), 2u);
+  for (const auto& p : big) EXPECT_NE(p.gemv_fp4_pieces, 1);
+  // Not under batch invariance, and never in the tilings that keep the one-row K order.
+  {
+    const InvariantScope on(true);
+    EXPECT_TRUE(fp4_gemv(candidates(LinearWeight::MXFP4, 1, 3072, 3584)).empty());
+  }
+  LinearPlan anchor;
+  anchor.wk = 1, anchor.ck = 1;
+  EXPECT_TRUE(
+      fp4_gemv(cuda::same_k_order(candidates(LinearWeight::MXFP4, 1, 3072, 3584), anchor)).empty());
+}
+
 TEST(LinearPlan, CublasOnlyForDenseBf16WithPlainInput) {
   EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, false, false));
   EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::MXFP4, 1, false, false));

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "core/rng.h"
@@ -86,9 +87,12 @@ TEST(CudaFusedEpilogue, ResidualAddsEqualTheSeparateAdds) {
 
 // The expert down-projection on glu(g, u) computed in the GEMM against cuda::glu into bf16 h
 // and the grouped GEMM on h: bit for bit, over skipped, empty and multi-row slots.
-void check_glu_gemm(Rng& rng, const cuda::GluAct& act, int64_t N, int64_t K) {
+// counts: rows per slot; max_rows: the launch's bound on them.
+void check_glu_gemm(Rng& rng, const cuda::GluAct& act, int64_t N, int64_t K,
+                    const std::vector<int32_t>& counts = {1, 2, 0, 3, 2}, int max_rows = 3) {
   const std::string what = "glu kind " + std::to_string(static_cast<int>(act.kind)) + " N" +
-                           std::to_string(N) + " K" + std::to_string(K);
+                           std::to_string(N) + " K" + std::to_string(K) + " max_rows " +
+                           std::to_string(max_rows);
   SCOPED_TRACE(what);
   const int n_experts = 3;
   std::vector<std::vector<uint8_t>> packed, scales;
@@ -106,7 +110,6 @@ void check_glu_gemm(Rng& rng, const cuda::GluAct& act, int64_t N, int64_t K) {
     ts.push_back(ds.back().data());
   }
   const std::vector<int32_t> slot_expert = {2, -1, 0, 1, 0};
-  const std::vector<int32_t> counts = {1, 2, 0, 3, 2};
   std::vector<int32_t> offsets{0};
   for (int32_t c : counts) offsets.push_back(offsets.back() + c);
   const int64_t rows = offsets.back();
@@ -123,7 +126,7 @@ void check_glu_gemm(Rng& rng, const cuda::GluAct& act, int64_t N, int64_t K) {
   g.slot_expert = d_exp.data();
   g.slot_offsets = d_off.data();
   g.n_slots = static_cast<int>(slot_expert.size());
-  g.max_rows_per_slot = 3;
+  g.max_rows_per_slot = max_rows;
   g.expected_active = 1;  // the EP rank's plan: one busy slot spread over the GPU
 
   DeviceBuffer<bf16> h(static_cast<size_t>(rows * K)), y_ref(static_cast<size_t>(rows * N));
@@ -152,6 +155,23 @@ TEST(CudaFusedGlu, ExpertDownWithGluEqualsGluThenGemm) {
     check_glu_gemm(rng, act, 3584, 3072);  // K3's expert down-projection
     check_glu_gemm(rng, act, 200, 512);
   }
+}
+
+// One row per slot under the model's plans: the MXFP4 GEMV, staging glu(g, u) itself.
+TEST(CudaFusedGlu, OneRowGemvWithGluEqualsGluThenGemv) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const bool tuning = cuda::linear_tuning();
+  cuda::set_linear_tuning(false);
+  for (const auto& [N, K] : {std::pair<int64_t, int64_t>{3584, 3072}, {144, 768}}) {
+    const auto plans = cuda::linear_candidates(cuda::LinearWeight::MXFP4, 1, N, K, 5,
+                                               cuda::device_limits(), nullptr, 1);
+    ASSERT_TRUE(!plans.empty() && plans.front().gemv_fp4()) << "the model's one-row pick";
+    check_glu_gemm(rng, cuda::GluAct{cuda::GluAct::Kind::SiTU, 4.0f, true, 25.0f}, N, K,
+                   {1, 1, 0, 1, 1}, 1);
+  }
+  cuda::set_linear_tuning(tuning);
 }
 
 }  // namespace

@@ -404,12 +404,13 @@ TEST(CudaLinearMxfp4, EveryKindOfPlan) {
 // Grouped MoE form: slots read their expert and rows from device memory; a skipped slot's rows
 // stay untouched (NaN), every other row is written.
 // expected_active: the plan's busy slots, i.e. its rows of CTAs, which take turns over the slots.
+// plan: an explicit plan instead of the launcher's choice.
 void check_grouped(Rng& rng, int64_t N, int64_t K, const std::vector<int32_t>& experts,
                    const std::vector<int32_t>& counts, int max_rows, int n_experts,
-                   int expected_active = 0) {
+                   int expected_active = 0, const cuda::LinearPlan* plan = nullptr) {
   const std::string what = "linear_mxfp4_grouped N" + std::to_string(N) + " K" + std::to_string(K) +
                            " max_rows " + std::to_string(max_rows) + " expected_active " +
-                           std::to_string(expected_active);
+                           std::to_string(expected_active) + (plan ? " plan " + plan->str() : "");
   std::vector<Fp4Weight> w;
   std::vector<const uint8_t*> tp, ts;
   for (int e = 0; e < n_experts; ++e) {
@@ -438,7 +439,10 @@ void check_grouped(Rng& rng, int64_t N, int64_t K, const std::vector<int32_t>& e
   g.max_rows_per_slot = max_rows;
   g.expected_active = expected_active;
   Out y(static_cast<size_t>(rows * N), false);
-  cuda::linear_mxfp4_grouped(g, x.dev.data(), K, N, K, y.ptr(), N, false, nullptr);
+  if (plan)
+    cuda::linear_mxfp4_grouped(*plan, g, x.dev.data(), K, y.ptr(), N, false, nullptr);
+  else
+    cuda::linear_mxfp4_grouped(g, x.dev.data(), K, N, K, y.ptr(), N, false, nullptr);
   const std::vector<float> got = y.get();
   const auto sample = sample_rows(rng, N, 256);
   for (size_t s = 0; s < experts.size(); ++s) {
@@ -472,6 +476,72 @@ TEST(CudaLinearMxfp4, GroupedExperts) {
   check_grouped(rng, 3072, 3584, {2, 0}, {1, 3}, 3, 3);
   check_grouped(rng, 130, 512, {1, 0}, {70, 2}, 70, 2);
   check_grouped(rng, 64, 96, {0, 1}, {3, 1}, 3, 2);  // K % 256 != 0: generic kernel
+}
+
+// Every MXFP4 GEMV plan (1..8 rows, 1, 2 or 4 pieces per warp) against the oracle: the expert
+// shapes, ragged N (rows past N in the last CTA), K with fewer pieces than a warp takes, raw
+// codes (every nibble, s = 0 and the two-multiply scales), bf16 and fp32 out. Every plan of a
+// shape gives the same bits (each 128-k piece is summed on its own, then the pieces in order).
+TEST(CudaLinearMxfp4, EveryGemvPlan) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int64_t shapes[][2] = {{3072, 3584}, {3584, 3072}, {40, 256}, {257, 1024}, {130, 768}};
+  int n = 0;
+  for (const int64_t M : {1, 2, 3, 5, 8})
+    for (const auto& s : shapes)
+      for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), s[0], s[1])) {
+        if (!p.gemv_fp4()) continue;
+        ++n;
+        check_fp4_linear(rng, M, s[0], s[1], n % 3 == 0, n % 2 == 0, &p);
+      }
+  EXPECT_EQ(n, 5 * 5 * 3);
+  for (const int64_t M : {1, 3}) {
+    const int64_t N = 3584, K = 3072;
+    const Bf16Data x = make_bf16(rng, static_cast<size_t>(M * K), 1.0f);
+    const Fp4Weight w = make_fp4_weight(rng, N, K, true);
+    std::vector<uint16_t> first;
+    for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), N, K)) {
+      if (!p.gemv_fp4()) continue;
+      DeviceBuffer<bf16> y(static_cast<size_t>(M * N));
+      cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y.data(), N, false,
+                         nullptr);
+      const auto bits = cuda::to_host<uint16_t>(y);
+      if (first.empty())
+        first = bits;
+      else
+        EXPECT_EQ(bits, first) << p.str() << ": another GEMV plan's bits";
+    }
+  }
+}
+
+// The grouped launch under every MXFP4 GEMV plan: skipped and empty slots, expert reuse, fewer
+// rows of CTAs than busy slots, one and several rows per slot.
+TEST(CudaLinearMxfp4, GroupedExpertsEveryGemvPlan) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  struct Case {
+    int64_t n, k;
+    std::vector<int32_t> experts, counts;
+    int max_rows, n_experts, busy;
+  };
+  const Case cases[] = {{200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 0},
+                        {200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 1},
+                        {3072, 3584, {1, 2, 0}, {1, 1, 1}, 1, 3, 1},
+                        {3584, 3072, {-1, 0, 1, -1}, {1, 1, 1, 0}, 1, 2, 2},
+                        {3072, 3584, {2, 0}, {1, 8}, 8, 3, 0}};
+  for (const Case& c : cases) {
+    int n = 0;
+    for (auto p :
+         cuda::linear_mxfp4_candidates(c.max_rows, c.n, c.k, static_cast<int>(c.experts.size()))) {
+      if (!p.gemv_fp4()) continue;
+      ++n;
+      p.active_groups = c.busy;
+      check_grouped(rng, c.n, c.k, c.experts, c.counts, c.max_rows, c.n_experts, c.busy, &p);
+    }
+    EXPECT_EQ(n, 3);
+  }
 }
 
 // A CUDA graph replay of a launch is bit-identical to the eager launch (and to itself).
