@@ -139,9 +139,9 @@ void set_linear_tuning(bool on);
 // the per-op gain at 8-64 rows is measured (bench/RESULTS.md), the step's is not yet.
 bool cublas_plans();
 void set_cublas_plans(bool on);
-// MXFP4 GEMV plans among the candidates (on by default; K3_MXFP4_GEMV=0, or
-// set_mxfp4_gemv_plans(false) before the first step, leaves the tilings alone: a flip for the
-// step benchmark).
+// MXFP4 GEMV plans among the candidates (K3_MXFP4_GEMV=1, or set_mxfp4_gemv_plans(true) before
+// the first step). Off by default until its GPU tests have passed on the H200 and the step has
+// measured it.
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.

@@ -132,6 +132,8 @@ std::vector<LinearPlan> fp4_gemv(const std::vector<LinearPlan>& c) {
 // make the same pick); the tuner times them.
 TEST(LinearPlan, Mxfp4GemvPlans) {
   const InvariantScope off(false);
+  const bool was = cuda::mxfp4_gemv_plans();
+  cuda::set_mxfp4_gemv_plans(true);
   const cuda::DeviceLimits d;
   for (const auto& [n, k] : {std::pair<int64_t, int64_t>{3072, 3584}, {3584, 3072}, {40, 256}}) {
     for (int m = 1; m <= cuda::kGemvMxfp4MaxRows; ++m) {
@@ -187,6 +189,7 @@ TEST(LinearPlan, Mxfp4GemvPlans) {
   anchor.wk = 1, anchor.ck = 1;
   EXPECT_TRUE(
       fp4_gemv(cuda::same_k_order(candidates(LinearWeight::MXFP4, 1, 3072, 3584), anchor)).empty());
+  cuda::set_mxfp4_gemv_plans(was);
 }
 
 TEST(LinearPlan, CublasOnlyForDenseBf16WithPlainInput) {
