@@ -189,19 +189,15 @@ cudaError_t launch_gemv_mxfp4(const LinearPlan& p, const SkinnyArgs& args, cudaS
   K3_CHECK(!args.slot_expert || args.ws_table, "MXFP4 GEMV: a grouped launch without scales");
   SkinnyArgs a = args;
   a.n_slots = p.groups;
-  a.chunks = p.chunks;
   a.x_pitch = p.x_pitch;
   a.x_bytes = static_cast<int>(p.x_bytes);
   const GemvFp4Kernel fn = a.x_glu ? gemv_fp4_kernel_for<true>(p.gemv_fp4_pieces)
                                    : gemv_fp4_kernel_for<false>(p.gemv_fp4_pieces);
   allow_max_smem(reinterpret_cast<const void*>(fn));
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()),
-                     static_cast<unsigned>(a.slot_expert ? p.slot_ctas() : 1));
-  cfg.blockDim = dim3(static_cast<unsigned>(p.threads()));
-  cfg.dynamicSmemBytes = p.smem_bytes;
-  cfg.stream = stream;
-  return cudaLaunchKernelEx(&cfg, fn, a);
+  const ClusterLaunch launch(dim3(static_cast<unsigned>(p.grid_x()),
+                                  static_cast<unsigned>(a.slot_expert ? p.slot_ctas() : 1)),
+                             dim3(static_cast<unsigned>(p.threads())), p.smem_bytes, stream, 0);
+  return cudaLaunchKernelEx(&launch.config, fn, a);
 }
 
 }  // namespace k3::cuda::detail

@@ -304,6 +304,11 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
     return a.model_us < b.model_us;
   };
   std::stable_sort(out.begin(), out.end(), by_model);
+  // A GEMV kind's plans, best model first: ahead of the tilings for one row, after them else.
+  const auto place_gemv = [&](std::vector<LinearPlan>& gemv) {
+    std::stable_sort(gemv.begin(), gemv.end(), by_model);
+    out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
+  };
   // Dense bf16 launches of 1..4 rows also get GEMV plans, best model first. For one row they go
   // first: the prototype sweep measured the best GEMV ahead of every mma tiling on each one-row
   // shape it timed, which the mma model does not capture. With more rows x takes m times the
@@ -320,8 +325,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
         p.model_us = gemv_model_us(p, d);
         gemv.push_back(p);
       }
-    std::stable_sort(gemv.begin(), gemv.end(), by_model);
-    out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
+    place_gemv(gemv);
   }
   // MXFP4 launches of 1..8 rows per slot, likewise: at one row the tiled kernel's shared-memory
   // ring leaves it latency-bound (ncu: one CTA per SM, DRAM at 10% of peak), which the GEMV's
@@ -337,8 +341,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
       p.model_us = gemv_fp4_model_us(p, d);
       gemv.push_back(p);
     }
-    std::stable_sort(gemv.begin(), gemv.end(), by_model);
-    out.insert(m == 1 ? out.begin() : out.end(), gemv.begin(), gemv.end());
+    place_gemv(gemv);
   }
   return out;
 }

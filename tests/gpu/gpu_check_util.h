@@ -9,7 +9,17 @@
 #include <string>
 #include <vector>
 
+#include "cuda/linear_plan.h"
+
 namespace k3::gpu_test {
+
+// Turns the MXFP4 GEMV plans on (off by default until measured) for one test, restoring the
+// switch after, so later tests keep their own candidates.
+struct Mxfp4GemvScope {
+  bool was = cuda::mxfp4_gemv_plans();
+  Mxfp4GemvScope() { cuda::set_mxfp4_gemv_plans(true); }
+  ~Mxfp4GemvScope() { cuda::set_mxfp4_gemv_plans(was); }
+};
 
 struct Tol {
   double ulps;  // bf16 ulps of |ref| (a summation-order change flips at most one rounding)

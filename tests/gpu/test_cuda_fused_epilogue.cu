@@ -22,6 +22,7 @@
 #include "cuda/linear_bf16.h"
 #include "cuda/linear_mxfp4.h"
 #include "cuda/step_ops.h"
+#include "gpu/gpu_check_util.h"
 #include "model/weight_matrix.h"
 #include "test_util.h"
 
@@ -159,7 +160,7 @@ TEST(CudaFusedGlu, ExpertDownWithGluEqualsGluThenGemm) {
 
 // One row per slot under the model's plans: the MXFP4 GEMV, staging glu(g, u) itself.
 TEST(CudaFusedGlu, OneRowGemvWithGluEqualsGluThenGemv) {
-  cuda::set_mxfp4_gemv_plans(true);  // off by default until measured
+  const gpu_test::Mxfp4GemvScope gemv_on;
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);

@@ -483,7 +483,7 @@ TEST(CudaLinearMxfp4, GroupedExperts) {
 // codes (every nibble, s = 0 and the two-multiply scales), bf16 and fp32 out. Every plan of a
 // shape gives the same bits (each 128-k piece is summed on its own, then the pieces in order).
 TEST(CudaLinearMxfp4, EveryGemvPlan) {
-  cuda::set_mxfp4_gemv_plans(true);  // off by default until measured
+  const gpu_test::Mxfp4GemvScope gemv_on;
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
@@ -519,7 +519,7 @@ TEST(CudaLinearMxfp4, EveryGemvPlan) {
 // The grouped launch under every MXFP4 GEMV plan: skipped and empty slots, expert reuse, fewer
 // rows of CTAs than busy slots, one and several rows per slot.
 TEST(CudaLinearMxfp4, GroupedExpertsEveryGemvPlan) {
-  cuda::set_mxfp4_gemv_plans(true);  // off by default until measured
+  const gpu_test::Mxfp4GemvScope gemv_on;
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
