@@ -443,6 +443,20 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
               time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush));
 }
 
+// The 93-layer rank holds ~108 GB: an H100 (80 GB) cannot take it. Say so before the upload
+// fails deep inside, with the layer count that would fit.
+void refuse_if_too_big(const bench::Floor& fl, const ModelWeights& w, int layers) {
+  const double need = fl.fixed + fl.expert * fl.local_experts * fl.moe_layers +
+                      static_cast<double>(w.embed.storage_bytes());
+  size_t free_b = 0, total_b = 0;
+  K3_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const double room = static_cast<double>(free_b) - 4e9;  // caches, workspaces, the L2 flush
+  if (need <= room) return;
+  const int fit = static_cast<int>(layers * room / need);
+  fail("the rank's weights need ", need / 1e9, " GB and the GPU has ", free_b / 1e9,
+       " GB free: pass --layers ", std::max(fit, 1), " or fewer");
+}
+
 int run(const Args& a) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
@@ -500,9 +514,10 @@ int run(const Args& a) {
     o.capture_sizes.erase(std::unique(o.capture_sizes.begin(), o.capture_sizes.end()),
                           o.capture_sizes.end());
   }
+  const bench::Floor fl = bench::floor_of(cfg, weights);
+  refuse_if_too_big(fl, weights, a.layers);
   cuda::CudaBackbone bb(cfg, weights, o);
   const auto t2 = std::chrono::steady_clock::now();
-  const bench::Floor fl = bench::floor_of(cfg, weights);
   std::printf(
       "k3_bench_step: %s, %d layers (%d KDA, %d MLA), TP%d / EP%d rank: experts [0, %d) of %d "
       "held, top-%d, weights on GPU %.2f GB; synth+load %.1f s, upload + capture %.1f s\n",
