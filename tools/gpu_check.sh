@@ -15,36 +15,15 @@
 # K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
 # racecheck, where the machine's runtime supports it).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 
 out_dir="${OUT:-/tmp}"
 mkdir -p "$out_dir"
 log="$out_dir/gpu_check.log"
 : >"$log"
 
-# A bundle from tools/gpu_bundle.sh (binaries + the libraries a bare GPU machine lacks).
-if [ -z "${K3_BIN_DIR:-}" ] && [ ! -x build/k3_gpu_tests ] && [ -f .gpu_carry/bundle.tar.xz ]; then
-  K3_BIN_DIR=/tmp/k3_bundle
-  mkdir -p "$K3_BIN_DIR" && tar -C "$K3_BIN_DIR" -xJf .gpu_carry/bundle.tar.xz
-  export LD_LIBRARY_PATH="$K3_BIN_DIR/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
-
-bin_dir=""
-for d in "${K3_BIN_DIR:-}" build build-cuda .gpu_carry; do
-  if [ -n "$d" ] && [ -x "$d/k3_gpu_tests" ] && [ -x "$d/k3_bench_ops" ]; then
-    bin_dir="$d"
-    break
-  fi
-done
-if [ -z "$bin_dir" ]; then
-  echo "== building (tools/setup.sh)" | tee -a "$log"
-  if ! tools/setup.sh >>"$log" 2>&1; then
-    echo "build failed; see $log" >&2
-    tail -n 40 "$log" >&2
-    exit 1
-  fi
-  bin_dir=build
-fi
+# shellcheck source=tools/gpu_bins.sh
+source tools/gpu_bins.sh "$log" || exit 1
 
 {
   echo "== $(date -u +%FT%TZ) binaries from $bin_dir"
