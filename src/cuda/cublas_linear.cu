@@ -49,9 +49,16 @@ DeviceCublas* device_cublas(cudaStream_t stream) {
   K3_CHECK(!capturing(stream), "cuBLAS plan: first used inside a graph capture on device ", dev,
            " (its handle is created by an eager launch)");
   auto fresh = std::make_unique<DeviceCublas>();
-  const cublasStatus_t st = cublasCreate(&fresh->handle);
+  cublasStatus_t st = cublasCreate(&fresh->handle);
+  // Split-K partials are summed in fp32, not in the bf16 output type (cuBLAS's default for a
+  // bf16 y): that reduction missed the oracle's tolerance by 3+ ulps at 17-64 rows (H100).
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasSetMathMode(
+        fresh->handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH |
+                                                 CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
   if (st != CUBLAS_STATUS_SUCCESS) {
     std::fprintf(stderr, "cuBLAS plans off on device %d: %s\n", dev, cublasGetStatusString(st));
+    if (fresh->handle) (void)cublasDestroy(fresh->handle);
     fresh.reset();
   }
   return (handles[dev] = std::move(fresh)).get();
