@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # On a GPU machine: is a switch (or several) ready to be the default? For the first VARIANT (a
-# space-separated set of VAR=VALUE, e.g. "K3_MXFP4_GEMV=1") runs the GPU tests and `k3 diff` on
-# the tiny presets under it, then times the whole step (k3_bench_step, no flips) under it and
-# under the defaults, alternated twice (a single timing carries 4-5% of spread), then once under
-# each further variant, all within $BUDGET seconds (default 500). Logs go to ${OUT:-/tmp}; the
-# summary is printed last.
+# space-separated set of VAR=VALUE, e.g. "K3_CUBLAS_PLANS=1") runs the GPU tests and `k3 diff`
+# on the tiny presets under it, then times the whole step (k3_bench_step, no flips) under it and
+# under the baseline ($K3_AB_BASE, default the defaults), alternated twice (a single timing
+# carries 4-5% of spread), then once under each further variant, all within $BUDGET seconds
+# (default 500). Logs go to ${OUT:-/tmp}; the summary is printed last.
 #
-#   BUDGET=480 tools/gpu_ab.sh "K3_MXFP4_GEMV=1" "K3_MXFP4_GEMV=1 K3_CUBLAS_PLANS=1"
+#   BUDGET=480 tools/gpu_ab.sh "K3_CUBLAS_PLANS=1" "K3_CUBLAS_PLANS=1 K3_MXFP4_GEMV=0"
+#   K3_AB_BASE="K3_MXFP4_GEMV=0" tools/gpu_ab.sh "K3_DEFAULTS=1"   # tests under the defaults
 #
 # Environment: K3_GPU_FILTER (gtest filter for the tests), K3_BATCHES (default 1), K3_STEP_ARGS
 # (more k3_bench_step flags). The rank is the 93-layer TP16 / EP16 one where the GPU holds it
@@ -41,7 +42,8 @@ layers=93
 [ "${mem:-0}" -lt 100000 ] && layers=60
 args="--layers $layers --template-layers 4 --dir /tmp/k3_ab_rank --replays 10 --context 1024"
 args="$args --verify-q 1 --no-flips --batch ${K3_BATCHES:-1} ${K3_STEP_ARGS:-}"
-runs=("$first" "K3_DEFAULTS=1" "$first" "K3_DEFAULTS=1" "${@:2}")
+base="${K3_AB_BASE:-K3_DEFAULTS=1}"
+runs=("$first" "$base" "$first" "$base" "${@:2}")
 : >"$out_dir/ab_step.log"
 for v in "${runs[@]}"; do
   l=$(left)

@@ -368,7 +368,7 @@ std::atomic<bool>& cublas_plans_flag() {
   return on;
 }
 std::atomic<bool>& mxfp4_gemv_flag() {
-  static std::atomic<bool> on{env_switch("K3_MXFP4_GEMV", false)};
+  static std::atomic<bool> on{env_switch("K3_MXFP4_GEMV", true)};
   return on;
 }
 }  // namespace

@@ -134,14 +134,17 @@ void set_batch_invariant(bool on);
 // replicates (router, latent projections) must give every rank the same bits.
 bool linear_tuning();
 void set_linear_tuning(bool on);
-// cuBLAS among the measured candidates (K3_CUBLAS_PLANS=1, or set_cublas_plans before the first
-// step; cublas_linear.h). Off by default until the decode step has measured it on the H200:
-// the per-op gain at 8-64 rows is measured (bench/RESULTS.md), the step's is not yet.
+// cuBLAS among the measured candidates (K3_CUBLAS_PLANS=1, or set_cublas_plans(true) before
+// the first step; cublas_linear.h). Off by default: the step measured it 3% faster (1 and 8
+// rows), but the two paths then stop summing alike (CudaStepDiff failed on an H100): cuBLAS
+// picks its own K order per shape, and the specialized path's fused launches (gate|up, GLU
+// input) have other shapes or cannot take it (bench/RESULTS.md, thirteenth stop).
 bool cublas_plans();
 void set_cublas_plans(bool on);
-// MXFP4 GEMV plans among the candidates (K3_MXFP4_GEMV=1, or set_mxfp4_gemv_plans(true) before
-// the first step). Off by default until its GPU tests have passed on the H200 and the step has
-// measured it.
+// MXFP4 GEMV plans among the candidates (on by default; K3_MXFP4_GEMV=0, or
+// set_mxfp4_gemv_plans(false) before the first step, leaves them out). At one row the stock
+// step measured 2.5% faster with them, the specialized one no slower (bench/RESULTS.md,
+// thirteenth stop).
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.

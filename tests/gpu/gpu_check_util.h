@@ -13,8 +13,8 @@
 
 namespace k3::gpu_test {
 
-// Turns the MXFP4 GEMV plans on (off by default until measured) for one test, restoring the
-// switch after, so later tests keep their own candidates.
+// Turns the MXFP4 GEMV plans on for one test (they are on by default, but K3_MXFP4_GEMV=0 may
+// have left them out), restoring the switch after, so later tests keep their own candidates.
 struct Mxfp4GemvScope {
   bool was = cuda::mxfp4_gemv_plans();
   Mxfp4GemvScope() { cuda::set_mxfp4_gemv_plans(true); }
