@@ -25,12 +25,14 @@ source tools/gpu_bins.sh "$log" || exit 1
 left() { echo $((${BUDGET:-500} - ($(date +%s) - t0))); }
 
 first="$1"
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >>"$log" 2>&1
+gpu=$(nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader 2>&1)
+echo "$gpu" >>"$log"
 # shellcheck disable=SC2086
 env $first "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${K3_GPU_FILTER:+--gtest_filter=$K3_GPU_FILTER} \
   >"$out_dir/ab_tests.log" 2>&1
 tests_rc=$?
 diff_rc=0
+: >"$out_dir/ab_diff.log"
 for preset in tiny tiny-k3.1 tiny-kimi-linear; do
   echo "== k3 diff --model $preset" >>"$out_dir/ab_diff.log"
   # shellcheck disable=SC2086
@@ -59,7 +61,7 @@ done
 
 {
   echo "================ gpu_ab summary ================"
-  sed -n 2p "$log"
+  echo "$gpu"
   echo "k3_gpu_tests under $first: rc $tests_rc"
   grep -E '^\[  (PASSED|FAILED)  \]' "$out_dir/ab_tests.log" | sort -u | head -20
   echo "k3 diff under $first: rc $diff_rc"
