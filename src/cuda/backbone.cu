@@ -8,7 +8,7 @@
 #include "core/error.h"
 #include "core/numeric.h"
 #include "cuda/argmax.h"
-#include "cuda/attn_res.h"
+#include "cuda/attn_res_norm.h"
 #include "cuda/backbone_buffers.h"
 #include "cuda/check.h"
 #include "cuda/graph_pdl.h"
@@ -435,13 +435,19 @@ void CudaBackbone::tap(int layer, const char* part, int64_t rows) {
   tap_(layer, part, out);
 }
 
-void CudaBackbone::mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out) {
+void CudaBackbone::mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t R) {
+  Buffers& b = *buf_;
   const int64_t H = cfg_.hidden_size;
+  if (!cfg_.has_attn_res()) {
+    rms_norm(b.P.data(), H, norm_w, R, H, cfg_.rms_norm_eps, b.x.data(), H, stream_);
+    return;
+  }
   AttnResSources src;
   K3_CHECK(n_blocks + 1 <= AttnResSources::kMax, "AttnRes bank of ", n_blocks, " blocks");
-  for (int j = 0; j < n_blocks; ++j) src.src[j] = buf_->bank_block(j);
-  src.src[n_blocks] = buf_->P.data();
-  attn_res_mix(src, n_blocks + 1, H, score_w, rows, H, cfg_.rms_norm_eps, out, H, nullptr, stream_);
+  for (int j = 0; j < n_blocks; ++j) src.src[j] = b.bank_block(j);
+  src.src[n_blocks] = b.P.data();
+  attn_res_mix_norm(src, n_blocks + 1, H, score_w, R, H, cfg_.rms_norm_eps, norm_w, b.x.data(), H,
+                    stream_);
 }
 
 // AttnRes: the residual stream so far becomes bank block j (a restart layer's write).
@@ -506,17 +512,18 @@ void CudaBackbone::enqueue_stock(int64_t R) {
     const DevLayer& L = W.layers[static_cast<size_t>(l)];
     // Attention side: AttnRes mix of the bank (or the residual stream), norm, KDA or MLA.
     mark("attn_norm");
-    const __nv_bfloat16* hsrc = b.P.data();
-    if (cfg_.has_attn_res() && n_blocks > 0) {
-      mix(n_blocks, L.attn_res_attn, R, b.h.data());
-      hsrc = b.h.data();
-    }
+    // The AttnRes mix and its norm as one kernel (mix_norm), as in the specialized step: the
+    // norm's sum of squares then reduces in the same order in both (the RMSNorm kernel's order
+    // differs from the mix + norm kernel's at hidden 7168: bench/RESULTS.md, fourteenth stop).
+    if (cfg_.has_attn_res() && n_blocks > 0)
+      mix_norm(n_blocks, L.attn_res_attn, L.input_norm, R);
+    else
+      rms_norm(b.P.data(), H, L.input_norm, R, H, eps, b.x.data(), H, stream_);
     bool restart = false;
     if (cfg_.is_attn_res_write_layer(l)) {
       write_bank_block(n_blocks++, R);
       restart = true;
     }
-    rms_norm(hsrc, H, L.input_norm, R, H, eps, b.x.data(), H, stream_);
     if (L.kind == LayerKind::KDA)
       attn_kda(l, R);
     else
@@ -526,12 +533,7 @@ void CudaBackbone::enqueue_stock(int64_t R) {
 
     // MLP side.
     mark("ffn_norm");
-    hsrc = b.P.data();
-    if (cfg_.has_attn_res()) {
-      mix(n_blocks, L.attn_res_mlp, R, b.h.data());
-      hsrc = b.h.data();
-    }
-    rms_norm(hsrc, H, L.post_attn_norm, R, H, eps, b.x.data(), H, stream_);
+    mix_norm(n_blocks, L.attn_res_mlp, L.post_attn_norm, R);
     if (L.moe)
       ffn_moe(l, R);
     else
@@ -541,12 +543,7 @@ void CudaBackbone::enqueue_stock(int64_t R) {
   }
 
   mark("lm_head");
-  const __nv_bfloat16* hsrc = b.P.data();
-  if (cfg_.has_attn_res()) {
-    mix(n_blocks, W.output_attn_res, R, b.h.data());
-    hsrc = b.h.data();
-  }
-  rms_norm(hsrc, H, W.final_norm, R, H, eps, b.x.data(), H, stream_);
+  mix_norm(n_blocks, W.output_attn_res, W.final_norm, R);
   linear(W.lm_head, b.x.data(), H, R, buf_->logits.data(), cfg_.vocab_size, /*y_fp32=*/true,
          stream_);
   advance_rows(b.slots.data(), R, pool_->positions(), stream_);

@@ -1,7 +1,10 @@
 // The stock CUDA decode step (decode_backend = auto): the CPU reference backbone
-// (cpu/backbone.cpp) as a chain of one kernel (or cuBLAS-free GEMM) per op over a batch of rows,
-// one token per row, each row its own request slot. Every boundary tensor is bf16 where the
-// reference rounds to bf16, so both compute the same function up to fp32 summation order.
+// (cpu/backbone.cpp) as a chain of one kernel (or GEMM) per op over a batch of rows, one token
+// per row, each row its own request slot; the projections of one input whose weights are stored
+// concatenated (a KDA layer's q|k|v|g|f_a|b, gate|up, each expert's w1|w3) are one GEMM, as
+// merged projections are in vLLM, and the specialized step launches the very same GEMMs. Every
+// boundary tensor is bf16 where the reference rounds to bf16, so both compute the same function
+// up to fp32 summation order.
 //
 // A step takes only the rows' slot ids and tokens from the host (copied into device buffers);
 // positions, lengths, block tables and expert ids live in device memory. So the step of each
@@ -35,6 +38,16 @@
 namespace k3::cuda {
 
 struct RouterGrouping;  // router.h
+struct ExpertGroups;    // backbone_ops.h
+
+// Where a KDA layer's projections of x lie for the KDA kernel (kda_decode.h): u = [rows][q|k|v],
+// the beta logits and the output gate z, each by its row stride in `strides` (0: packed).
+struct KdaProjected {
+  const __nv_bfloat16* u = nullptr;
+  const __nv_bfloat16* beta = nullptr;
+  const __nv_bfloat16* z = nullptr;
+  KdaDecodeStrides strides;
+};
 
 // Per-sublayer observer for diff reports (the CPU backbone's LayerObserver): layer, "attn" or
 // "ffn", and that sublayer's output for every row, [rows][hidden] as floats.
@@ -259,6 +272,9 @@ class CudaBackbone final : public StepExecutor {
   }
   void write_bank_block(int j, int64_t rows);      // AttnRes bank block j = P
   void attn_residual(bool restart, int64_t rows);  // P = sub (restart) or P += sub
+  // x = RMSNorm(the AttnRes mix of the bank's first n_blocks blocks and P), one kernel (both
+  // paths; without AttnRes, of P alone).
+  void mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t rows);
   void enqueue_specialized(int64_t rows);
   // Specialized providers (backbone_fused.cu).
   // out: the o-projection's store epilogue (the specialized step folds the residual in).
@@ -266,13 +282,13 @@ class CudaBackbone final : public StepExecutor {
   // True when the layer's residual add (P += sub) is done: in the latent up-projection's store
   // (fold_moe_residual) or in one launch with the shared experts' add.
   bool ffn_moe_fused(int layer, int64_t rows);
-  void ffn_dense_fused(int layer, int64_t rows);
-  void mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t rows);
   void fork_side();  // side_ waits for stream_'s work so far
   void join_side();  // stream_ waits for side_
   void prefetch_l2(std::initializer_list<const DevMatrix*> next);
   void mark(const char* stage);  // stage boundary (profile_step only)
   void attn_kda(int layer, int64_t rows);
+  // Every projection of x a KDA layer reads (both paths): where the KDA kernel finds them.
+  KdaProjected kda_project(int layer, int64_t rows);
   // The fused KDA kernel over the step's runs (both paths): inputs in place with row strides.
   void kda_core(int layer, int64_t rows, const __nv_bfloat16* u, const __nv_bfloat16* beta,
                 const __nv_bfloat16* z, const KdaDecodeStrides& strides);
@@ -306,15 +322,20 @@ class CudaBackbone final : public StepExecutor {
   // DCP: the MLA attention of this rank's heads over every rank's tokens (o_latent).
   void mla_attend_dcp(int layer, int64_t rows, float scale);
   void dsa_select(int layer, int64_t rows);  // fills the rows' selected token lists
-  void ffn_dense(int layer, int64_t rows);
+  void ffn_dense(int layer, int64_t rows);   // both paths
   void ffn_moe(int layer, int64_t rows);
+  // Pieces of the MoE both paths launch alike (backbone_layers.cu), so their GEMMs have the same
+  // shapes and tuned plans and the paths agree bit for bit.
+  void shared_experts(const DevMoe& m, int64_t rows, cudaStream_t stream);
+  void routed_experts(const DevMoe& m, const ExpertGroups& eg, const ExpertGroups& eg_down,
+                      const __nv_bfloat16* z, int64_t L, int pairs, bool glu_in_down);
+  ExpertGroups expert_groups(const DevMoe& m, int64_t expert_rows) const;
   // Router + top-k, then the experts' input (latent down or x), width L: both paths.
   // With `group`, the top-k kernel also groups the pairs (router_topk_grouped).
   const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L,
                                          cudaStream_t latent_stream,
                                          const RouterGrouping* group = nullptr,
                                          cudaStream_t router_stream = nullptr);
-  void mix(int n_blocks, const float* score_w, int64_t rows, __nv_bfloat16* out);
   const MlaDecodePlan& mla_plan(int64_t rows);  // for the current batch_invariant()
   const MlaDecodePlan& mla_plan(int64_t rows, bool invariant);
 

@@ -128,8 +128,6 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
   moe_y = make<__nv_bfloat16>(XR * k * L);
   moe_acc = make<__nv_bfloat16>(R * L);
   moe_routed = make<__nv_bfloat16>(R * H);
-  ffn_g32 = make<float>(R * ffn_i);
-  ffn_u32 = make<float>(R * ffn_i);
   ffn_h = make<__nv_bfloat16>(R * ffn_i);
   shared = make<__nv_bfloat16>(R * H);
   kda_in = make<__nv_bfloat16>(R * kda_in_n);

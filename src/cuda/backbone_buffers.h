@@ -78,16 +78,15 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<__nv_bfloat16> moe_y;       // [xrows * top_k][L] bf16, expert-grouped order
   DeviceBuffer<__nv_bfloat16> moe_acc;     // [rows][L] bf16
   DeviceBuffer<__nv_bfloat16> moe_routed;  // [rows][hidden] bf16
-  // Gate / up outputs stay fp32 up to the activation (cpu glu_mlp rounds only its output).
-  DeviceBuffer<float> ffn_g32, ffn_u32;  // [rows][max(dense I, shared I)] fp32
-  DeviceBuffer<__nv_bfloat16> ffn_h;     // [rows][max(dense I, shared I)] bf16
-  DeviceBuffer<__nv_bfloat16> shared;    // [rows][hidden] bf16
-  // Specialized path: outputs of the fused GEMMs.
+  DeviceBuffer<__nv_bfloat16> ffn_h;       // [rows][max(dense I, shared I)] bf16
+  DeviceBuffer<__nv_bfloat16> shared;      // [rows][hidden] bf16
+  // Outputs of the concatenated GEMMs (both paths). Gate / up outputs stay fp32 up to the
+  // activation (cpu glu_mlp rounds only its output).
   int64_t kda_in_n = 0;                  // widest KDA in_proj row stride (in_layout.ld)
   DeviceBuffer<__nv_bfloat16> kda_in;    // [rows][kda_in_n] bf16
   DeviceBuffer<float> moe_gu32;          // [xrows * top_k][2 * inter] fp32, w1 | w3 outputs
-  DeviceBuffer<float> ffn_gu32;          // [rows][2 * max(dense I, shared I)] fp32
-  DeviceBuffer<__nv_bfloat16> shared_h;  // [rows][max(dense I, shared I)] bf16 (side stream)
+  DeviceBuffer<float> ffn_gu32;          // [rows][2 * max(dense I, shared I)] fp32, gate | up
+  DeviceBuffer<__nv_bfloat16> shared_h;  // [rows][shared I] bf16 (the specialized side stream)
   DeviceBuffer<float> logits;            // [rows][vocab] fp32
   // A draft model's fused input (FusedInputWeights): the given hidden rows and the concat.
   DeviceBuffer<__nv_bfloat16> in_hidden;  // [rows][hidden] bf16

@@ -1,20 +1,22 @@
 // The specialized decode step (decode_backend = latency_specialized): the same function as the
-// stock step over the same state and boundary tensors, scheduled as fewer, fused kernels.
+// stock step over the same state and boundary tensors, scheduled as fewer, fused kernels. Its
+// GEMMs and its AttnRes mix + norm kernel are the stock step's (the same shapes, so the same
+// tuned plans and bits); it fuses the small ops around them and overlaps them.
 //
 // Per layer, the attention providers are the input projection (one GEMM over the concatenated
 // q|k|v|g|f_a|b rows of a KDA layer), the core (the fused KDA kernel: conv + gates + recurrence
-// + gated norm; MLA's cache append + absorbed attention) and the o-projection; the MoE half is
-// router -> compacted expert grouping -> one grouped GEMM for w1|w3 of every chosen expert ->
-// GLU -> w2 -> combine + latent norm -> latent up, with the shared experts on a side stream
-// overlapping the routed ones. The AttnRes mix and the following RMSNorm are one kernel. The
-// step is captured per capture size with programmatic (PDL) edges between its kernels, so each
-// GEMM streams its first weight tiles while the kernel before it drains; beside the
-// latency-bound cores, a side-stream kernel warms the next projection's weights into L2.
+// + gated norm; MLA's cache append + absorbed attention) and the o-projection, whose store adds
+// the residual; the MoE half is router (grouping the pairs in its top-k kernel) -> one grouped
+// GEMM for w1|w3 of every chosen expert -> w2 applying the GLU as it stages its input ->
+// combine + latent norm -> latent up (its store adds the shared experts and the residual), with
+// the latent down and the shared experts on a side stream beside the router and the routed
+// experts. The step is captured per capture size with programmatic (PDL) edges between its
+// kernels, so each GEMM streams its first weight tiles while the kernel before it drains;
+// beside the latency-bound cores, a side-stream kernel can warm the next projection's weights
+// into L2.
 #include <cmath>
 
 #include "core/error.h"
-#include "cuda/attn_res.h"
-#include "cuda/attn_res_norm.h"
 #include "cuda/backbone.h"
 #include "cuda/backbone_buffers.h"
 #include "cuda/backbone_ops.h"
@@ -57,21 +59,6 @@ void CudaBackbone::prefetch_l2(std::initializer_list<const DevMatrix*> next) {
   if (list.n > 0) l2_prefetch(list, /*ctas=*/16, side_);
 }
 
-void CudaBackbone::mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t R) {
-  Buffers& b = *buf_;
-  const int64_t H = cfg_.hidden_size;
-  if (!cfg_.has_attn_res()) {
-    rms_norm(b.P.data(), H, norm_w, R, H, cfg_.rms_norm_eps, b.x.data(), H, stream_);
-    return;
-  }
-  AttnResSources src;
-  K3_CHECK(n_blocks + 1 <= AttnResSources::kMax, "AttnRes bank of ", n_blocks, " blocks");
-  for (int j = 0; j < n_blocks; ++j) src.src[j] = b.bank_block(j);
-  src.src[n_blocks] = b.P.data();
-  attn_res_mix_norm(src, n_blocks + 1, H, score_w, R, H, cfg_.rms_norm_eps, norm_w, b.x.data(), H,
-                    stream_);
-}
-
 void CudaBackbone::enqueue_specialized(int64_t R) {
   Buffers& b = *buf_;
   const DeviceWeights& W = *weights_;
@@ -97,15 +84,12 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
     const bool fold = opt_.tuning.fold_residual_adds;
     residual.res = fold ? b.P.data() : nullptr;
     residual.res_copy = restart;
-    if (L.kind == LayerKind::KDA && !L.kda.in_proj.empty()) {
+    if (L.kind == LayerKind::KDA)
       attn_kda_fused(l, R, residual);
-    } else if (L.kind == LayerKind::KDA) {
-      attn_kda(l, R);
-    } else {
+    else
       attn_mla(l, R, residual, opt_.tuning.mla_kv_beside);
-    }
     tap(l, "attn", R);
-    if (!fold || (L.kind == LayerKind::KDA && L.kda.in_proj.empty())) attn_residual(restart, R);
+    if (!fold) attn_residual(restart, R);
 
     mark("ffn_norm");
     mix_norm(n_blocks, L.attn_res_mlp, L.post_attn_norm, R);
@@ -113,7 +97,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
     if (L.moe)
       added = ffn_moe_fused(l, R);
     else
-      ffn_dense_fused(l, R);
+      ffn_dense(l, R);
     tap(l, "ffn", R);
     if (!added) add_bf16(b.P.data(), b.sub.data(), R * H, b.P.data(), stream_);
   }
@@ -125,53 +109,21 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
 }
 
 void CudaBackbone::attn_kda_fused(int l, int64_t R, const LinearEpilogue& out) {
-  Buffers& b = *buf_;
   const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
-  const KdaInProjLayout& in = k.in_layout;
-  const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim(), n = in.ld;  // row stride
-  K3_CHECK(in.q == 0 && in.k == P && in.v == 2 * P, "KDA in_proj: q, k, v must lead the rows");
   mark("kda_proj");
-  // One GEMM for every projection of x: [rows][q | k | v | g | f_a | b].
-  linear(k.in_proj, b.x.data(), H, R, b.kda_in.data(), n, false, stream_);
-  linear(k.f_b, b.kda_in.data() + in.fa, n, R, b.kda_f.data(), P, false, stream_);
-  const __nv_bfloat16* z = b.kda_in.data() + in.g;
-  int64_t z_ld = n;
-  if (!k.g_a.empty()) {  // LoRA output gate: g_b of the g_a rows
-    linear(k.g_b, b.kda_in.data() + in.g, n, R, b.kda_z.data(), P, false, stream_);
-    z = b.kda_z.data();
-    z_ld = P;
-  }
+  // One GEMM for every projection of x where concatenated (kda_project, as the stock step).
+  const KdaProjected in = kda_project(l, R);
   mark("kda_core");
-  KdaDecodeStrides st;
-  st.u = n;
-  st.f = P;
-  st.beta = n;
-  st.z = z_ld;
   // The recurrence is latency-bound (a few CTAs per row): warm o_proj into L2 beside it.
   const bool warm = opt_.tuning.l2_prefetch_bytes > 0;
   if (warm) {
     fork_side();
     prefetch_l2({&k.o_proj});
   }
-  kda_core(l, R, b.kda_in.data(), b.kda_in.data() + in.b, z, st);
+  kda_core(l, R, in.u, in.beta, in.z, in.strides);
   if (warm) join_side();
   mark("attn_o_proj");
-  project_out(k.o_proj, b.kda_gated.data(), P, R, out);
-}
-
-void CudaBackbone::ffn_dense_fused(int l, int64_t R) {
-  Buffers& b = *buf_;
-  const DevDense& d = weights_->layers[static_cast<size_t>(l)].dense;
-  if (d.gate_up.empty()) {
-    ffn_dense(l, R);
-    return;
-  }
-  const int64_t H = cfg_.hidden_size, I = d.gate.rows;
-  mark("dense_ffn");
-  linear(d.gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * I, true, stream_);
-  glu(glu_act(cfg_), b.ffn_gu32.data(), 2 * I, b.ffn_gu32.data() + I, 2 * I, R, I, b.ffn_h.data(),
-      I, stream_);
-  project_out(d.down, b.ffn_h.data(), I, R, {});
+  project_out(k.o_proj, buf_->kda_gated.data(), cfg_.kda_proj_dim(), R, out);
 }
 
 bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
@@ -179,22 +131,12 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
   const int64_t H = cfg_.hidden_size;
   const int k = cfg_.num_experts_per_token;
-  const GluAct act = glu_act(cfg_);
   const bool shared = !m.shared_gate.empty();
 
   // The shared experts on the side stream from the same x, beside the routed work.
-  const auto shared_experts = [&] {
+  const auto shared_side = [&] {
     if (!shared) return;
-    const int64_t S = m.shared_gate.rows;
-    if (!m.shared_gate_up.empty()) {
-      linear(m.shared_gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, side_);
-    } else {
-      linear(m.shared_gate, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, side_);
-      linear(m.shared_up, b.x.data(), H, R, b.ffn_gu32.data() + S, 2 * S, true, side_);
-    }
-    glu(act, b.ffn_gu32.data(), 2 * S, b.ffn_gu32.data() + S, 2 * S, R, S, b.shared_h.data(), S,
-        side_);
-    linear(m.shared_down, b.shared_h.data(), S, R, shared_out(), H, tp_sums(), side_);
+    shared_experts(m, R, side_);
     // Then the latent up-projection's first bytes into L2, by loads, beside the latency-bound
     // routed experts (joined with the shared experts before the layer ends).
     const size_t warm = opt_.tuning.l2_warm_latent_up_bytes;
@@ -209,7 +151,7 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   };
   const bool beside = opt_.tuning.latent_beside_router;
   if (beside || shared) fork_side();  // (every fork is joined before the layer ends)
-  if (!beside) shared_experts();      // from the start, beside router, latent and experts
+  if (!beside) shared_side();         // from the start, beside router, latent and experts
   int64_t L = 0;
   // Under EP the expert rows are every rank's, gathered once z is ready.
   const bool ep = opt_.ranks.ep();
@@ -231,57 +173,28 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   const bool join_now = beside && (ep || swap);  // EP gathers z; swapped, the ids are the side's
   if (join_now) {
     join_side();  // z (and the routing) ready
-    shared_experts();
+    shared_side();
   }
   const int32_t* ids = nullptr;
   const int64_t XR = expert_rows(z, ids, L, R);
-  const int rows = static_cast<int>(XR);
-  const int n = static_cast<int>(XR * k);
   // Active experts first: the grouped GEMMs cover min(E, rows * k) slots, not E.
-  const int slots = std::min(m.local.count, n);
   if (!grouped)
     moe_group_by_expert_compact(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
                                 b.group_rows.data(), b.group_pos.data(), stream_);
   if (beside && !join_now) {
     join_side();  // z is ready
-    shared_experts();
+    shared_side();
   }
 
   mark("moe_experts");
-  const int64_t I = m.inter;
-  const ExpertGroups eg{
-      b.group_expert.data(),
-      b.group_offsets.data(),
-      b.group_rows.data(),
-      slots,
-      rows,
-      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, XR, slots)};
-  if (m.w13) {
-    expert_linear(m.expert_format, m.w13, m.w13_scales, eg, true, z, L, 2 * I, L, b.moe_gu32.data(),
-                  true, stream_);
-  } else {
-    // Separate halves into the same interleaved buffer (row stride 2I) is not expressible
-    // with expert_linear's packed output: run them into the stock buffers instead.
-    expert_linear(m.expert_format, m.w1, m.w1_scales, eg, true, z, L, I, L, b.moe_g32.data(), true,
-                  stream_);
-    expert_linear(m.expert_format, m.w3, m.w3_scales, eg, true, z, L, I, L, b.moe_u32.data(), true,
-                  stream_);
-  }
   // The down-projection applies the GLU as it stages its input (one launch fewer), where the
   // kernel takes these operands (MXFP4, fused w1|w3 output rows); else GLU, then the GEMM. Its
   // slot arrays were complete before w1|w3 began: it streams its first weights early.
+  const ExpertGroups eg = expert_groups(m, XR);
   ExpertGroups eg_down = eg;
   eg_down.slots_ready = opt_.tuning.early_down_weights;
-  if (!(m.w13 && opt_.tuning.glu_in_down_proj_for(R) &&
-        expert_down_glu(m, eg_down, act, b.moe_gu32.data(), 2 * I, I, expert_out(),
-                        expert_out_fp32(), stream_))) {
-    const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
-    const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
-    const int64_t gu_ld = m.w13 ? 2 * I : I;
-    glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
-    expert_linear(m.expert_format, m.w2, m.w2_scales, eg_down, false, b.moe_h.data(), I, L, I,
-                  expert_out(), expert_out_fp32(), stream_);
-  }
+  routed_experts(m, eg, eg_down, z, L, static_cast<int>(XR * k),
+                 opt_.tuning.glu_in_down_proj_for(R));
 
   mark("moe_combine_up");
   const auto [y, y_pos] = routed_outputs(R, L);

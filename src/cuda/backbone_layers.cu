@@ -84,29 +84,57 @@ bool expert_down_glu(const DevMoe& m, const ExpertGroups& eg, const GluAct& act,
   return true;
 }
 
-void CudaBackbone::attn_kda(int l, int64_t R) {
+// Every projection of x a KDA layer reads, both paths: where the weights are concatenated one
+// GEMM over [rows][q | k | v | g | f_a | b] (the KDA kernel reads its inputs there in place, by
+// row strides), f_b (and the LoRA gate's g_b) from its parts; else one GEMM per matrix.
+KdaProjected CudaBackbone::kda_project(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
   const auto& la = cfg_.linear_attn_config;
   const int64_t H = cfg_.hidden_size, P = cfg_.kda_proj_dim();
-  mark("kda_proj");
-  // Pre-conv q, k, v side by side: [rows][3][P].
-  linear(k.q_proj, b.x.data(), H, R, b.kda_u.data(), 3 * P, false, stream_);
-  linear(k.k_proj, b.x.data(), H, R, b.kda_u.data() + P, 3 * P, false, stream_);
-  linear(k.v_proj, b.x.data(), H, R, b.kda_u.data() + 2 * P, 3 * P, false, stream_);
-  linear(k.f_a, b.x.data(), H, R, b.kda_fa.data(), k.f_a.rows, false, stream_);
-  linear(k.f_b, b.kda_fa.data(), k.f_a.rows, R, b.kda_f.data(), P, false, stream_);
-  linear(k.b_proj, b.x.data(), H, R, b.kda_beta.data(), la.num_heads, false, stream_);
-  if (!k.g_proj.empty()) {
-    linear(k.g_proj, b.x.data(), H, R, b.kda_z.data(), P, false, stream_);
-  } else {
-    linear(k.g_a, b.x.data(), H, R, b.kda_ga.data(), k.g_a.rows, false, stream_);
-    linear(k.g_b, b.kda_ga.data(), k.g_a.rows, R, b.kda_z.data(), P, false, stream_);
+  if (k.in_proj.empty()) {
+    // Pre-conv q, k, v side by side: [rows][3][P].
+    linear(k.q_proj, b.x.data(), H, R, b.kda_u.data(), 3 * P, false, stream_);
+    linear(k.k_proj, b.x.data(), H, R, b.kda_u.data() + P, 3 * P, false, stream_);
+    linear(k.v_proj, b.x.data(), H, R, b.kda_u.data() + 2 * P, 3 * P, false, stream_);
+    linear(k.f_a, b.x.data(), H, R, b.kda_fa.data(), k.f_a.rows, false, stream_);
+    linear(k.f_b, b.kda_fa.data(), k.f_a.rows, R, b.kda_f.data(), P, false, stream_);
+    linear(k.b_proj, b.x.data(), H, R, b.kda_beta.data(), la.num_heads, false, stream_);
+    if (!k.g_proj.empty()) {
+      linear(k.g_proj, b.x.data(), H, R, b.kda_z.data(), P, false, stream_);
+    } else {
+      linear(k.g_a, b.x.data(), H, R, b.kda_ga.data(), k.g_a.rows, false, stream_);
+      linear(k.g_b, b.kda_ga.data(), k.g_a.rows, R, b.kda_z.data(), P, false, stream_);
+    }
+    return {b.kda_u.data(), b.kda_beta.data(), b.kda_z.data(), KdaDecodeStrides{}};
   }
+  const KdaInProjLayout& in = k.in_layout;
+  const int64_t n = in.ld;  // row stride
+  K3_CHECK(in.q == 0 && in.k == P && in.v == 2 * P, "KDA in_proj: q, k, v must lead the rows");
+  linear(k.in_proj, b.x.data(), H, R, b.kda_in.data(), n, false, stream_);
+  linear(k.f_b, b.kda_in.data() + in.fa, n, R, b.kda_f.data(), P, false, stream_);
+  KdaProjected out{b.kda_in.data(), b.kda_in.data() + in.b, b.kda_in.data() + in.g, {}};
+  int64_t z_ld = n;
+  if (!k.g_a.empty()) {  // LoRA output gate: g_b of the g_a rows
+    linear(k.g_b, b.kda_in.data() + in.g, n, R, b.kda_z.data(), P, false, stream_);
+    out.z = b.kda_z.data();
+    z_ld = P;
+  }
+  out.strides.u = n;
+  out.strides.f = P;
+  out.strides.beta = n;
+  out.strides.z = z_ld;
+  return out;
+}
+
+void CudaBackbone::attn_kda(int l, int64_t R) {
+  mark("kda_proj");
+  const KdaProjected in = kda_project(l, R);
   mark("kda_core");
-  kda_core(l, R, b.kda_u.data(), b.kda_beta.data(), b.kda_z.data(), KdaDecodeStrides{});
+  kda_core(l, R, in.u, in.beta, in.z, in.strides);
   mark("attn_o_proj");
-  project_out(k.o_proj, b.kda_gated.data(), P, R, {});
+  project_out(weights_->layers[static_cast<size_t>(l)].kda.o_proj, buf_->kda_gated.data(),
+              cfg_.kda_proj_dim(), R, {});
 }
 
 void CudaBackbone::kda_core(int l, int64_t R, const __nv_bfloat16* u, const __nv_bfloat16* beta,
@@ -233,15 +261,85 @@ void CudaBackbone::attn_mla(int l, int64_t R, const LinearEpilogue& out, bool kv
   project_out(m.o_proj, b.mla_o.data(), static_cast<int64_t>(nh) * vd, R, out);
 }
 
+// Both paths: gate|up as one GEMM where the weights are concatenated (else one each), the GLU,
+// the down-projection.
 void CudaBackbone::ffn_dense(int l, int64_t R) {
   Buffers& b = *buf_;
   const DevDense& d = weights_->layers[static_cast<size_t>(l)].dense;
   const int64_t H = cfg_.hidden_size, I = d.gate.rows;
   mark("dense_ffn");
-  linear(d.gate, b.x.data(), H, R, b.ffn_g32.data(), I, true, stream_);
-  linear(d.up, b.x.data(), H, R, b.ffn_u32.data(), I, true, stream_);
-  glu(glu_act(cfg_), b.ffn_g32.data(), I, b.ffn_u32.data(), I, R, I, b.ffn_h.data(), I, stream_);
+  if (d.gate_up.empty()) {
+    linear(d.gate, b.x.data(), H, R, b.ffn_gu32.data(), 2 * I, true, stream_);
+    linear(d.up, b.x.data(), H, R, b.ffn_gu32.data() + I, 2 * I, true, stream_);
+  } else {
+    linear(d.gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * I, true, stream_);
+  }
+  glu(glu_act(cfg_), b.ffn_gu32.data(), 2 * I, b.ffn_gu32.data() + I, 2 * I, R, I, b.ffn_h.data(),
+      I, stream_);
   project_out(d.down, b.ffn_h.data(), I, R, {});
+}
+
+// The shared experts of x on `stream`, both paths: gate|up as one GEMM where concatenated, the
+// GLU, the down-projection into shared_out() (finish_shared completes it).
+void CudaBackbone::shared_experts(const DevMoe& m, int64_t R, cudaStream_t stream) {
+  Buffers& b = *buf_;
+  const int64_t H = cfg_.hidden_size, S = m.shared_gate.rows;
+  if (!m.shared_gate_up.empty()) {
+    linear(m.shared_gate_up, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, stream);
+  } else {
+    linear(m.shared_gate, b.x.data(), H, R, b.ffn_gu32.data(), 2 * S, true, stream);
+    linear(m.shared_up, b.x.data(), H, R, b.ffn_gu32.data() + S, 2 * S, true, stream);
+  }
+  glu(glu_act(cfg_), b.ffn_gu32.data(), 2 * S, b.ffn_gu32.data() + S, 2 * S, R, S,
+      b.shared_h.data(), S, stream);
+  linear(m.shared_down, b.shared_h.data(), S, R, shared_out(), H, tp_sums(), stream);
+}
+
+// The routed experts over the grouping `eg` of n (row, choice) pairs, both paths: w1|w3 as one
+// grouped GEMM where each expert's pair is concatenated (else one each), the GLU, w2 into
+// expert_out(). glu_in_down: the GLU applied as w2 stages its input (MXFP4 w1|w3 only; one
+// launch fewer, the same bits); eg_down: w2's groups (its slots_ready may differ).
+void CudaBackbone::routed_experts(const DevMoe& m, const ExpertGroups& eg,
+                                  const ExpertGroups& eg_down, const __nv_bfloat16* z, int64_t L,
+                                  int n, bool glu_in_down) {
+  Buffers& b = *buf_;
+  const int64_t I = m.inter;
+  const GluAct act = glu_act(cfg_);
+  if (m.w13) {
+    expert_linear(m.expert_format, m.w13, m.w13_scales, eg, true, z, L, 2 * I, L, b.moe_gu32.data(),
+                  true, stream_);
+    if (glu_in_down && expert_down_glu(m, eg_down, act, b.moe_gu32.data(), 2 * I, I, expert_out(),
+                                       expert_out_fp32(), stream_))
+      return;
+  } else {
+    // Separate halves into the interleaved buffer (row stride 2I) is not expressible with
+    // expert_linear's packed output: run them into their own buffers.
+    expert_linear(m.expert_format, m.w1, m.w1_scales, eg, true, z, L, I, L, b.moe_g32.data(), true,
+                  stream_);
+    expert_linear(m.expert_format, m.w3, m.w3_scales, eg, true, z, L, I, L, b.moe_u32.data(), true,
+                  stream_);
+  }
+  const float* g = m.w13 ? b.moe_gu32.data() : b.moe_g32.data();
+  const float* u = m.w13 ? b.moe_gu32.data() + I : b.moe_u32.data();
+  const int64_t gu_ld = m.w13 ? 2 * I : I;
+  glu(act, g, gu_ld, u, gu_ld, n, I, b.moe_h.data(), I, stream_);
+  expert_linear(m.expert_format, m.w2, m.w2_scales, eg_down, false, b.moe_h.data(), I, L, I,
+                expert_out(), expert_out_fp32(), stream_);
+}
+
+// The grouping of the pairs both paths' grouped GEMMs run over: active experts first, over
+// min(E, pairs) slots, tiled for the slots expected busy (arrays in b.group_*).
+ExpertGroups CudaBackbone::expert_groups(const DevMoe& m, int64_t XR) const {
+  Buffers& b = *buf_;
+  const int k = cfg_.num_experts_per_token;
+  const int slots = std::min(m.local.count, static_cast<int>(XR * k));
+  return ExpertGroups{
+      b.group_expert.data(),
+      b.group_offsets.data(),
+      b.group_rows.data(),
+      slots,
+      static_cast<int>(XR),
+      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, XR, slots)};
 }
 
 // The MoE's first half, shared by both step paths: the router on the full-width x (fp32
@@ -284,7 +382,6 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   const DevMoe& m = weights_->layers[static_cast<size_t>(l)].moe_w;
   const int64_t H = cfg_.hidden_size;
   const int k = cfg_.num_experts_per_token;
-  const GluAct act = glu_act(cfg_);
 
   int64_t L = 0;
   const __nv_bfloat16* z = route_and_project(m, R, L, stream_);
@@ -293,25 +390,11 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
   const int64_t XR = expert_rows(z, ids, L, R);
   // The (row, choice) pairs grouped by expert so each chosen expert is read once for its rows.
   const int n = static_cast<int>(XR * k);
-  const int64_t I = m.inter;
   mark("moe_experts");
-  moe_group_by_expert(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
-                      b.group_rows.data(), b.group_pos.data(), stream_);
-  // One slot per local expert, busy as the expected count says.
-  const ExpertGroups eg{
-      b.group_expert.data(),
-      b.group_offsets.data(),
-      b.group_rows.data(),
-      m.local.count,
-      static_cast<int>(XR),
-      expected_active_experts(m.local.count, static_cast<int>(m.gate.rows), k, XR, m.local.count)};
-  expert_linear(m.expert_format, m.w1, m.w1_scales, eg, true, z, L, I, L, b.moe_g32.data(), true,
-                stream_);
-  expert_linear(m.expert_format, m.w3, m.w3_scales, eg, true, z, L, I, L, b.moe_u32.data(), true,
-                stream_);
-  glu(act, b.moe_g32.data(), I, b.moe_u32.data(), I, n, I, b.moe_h.data(), I, stream_);
-  expert_linear(m.expert_format, m.w2, m.w2_scales, eg, false, b.moe_h.data(), I, L, I,
-                expert_out(), expert_out_fp32(), stream_);
+  moe_group_by_expert_compact(ids, XR, k, m.local, b.group_expert.data(), b.group_offsets.data(),
+                              b.group_rows.data(), b.group_pos.data(), stream_);
+  const ExpertGroups eg = expert_groups(m, XR);
+  routed_experts(m, eg, eg, z, L, n, /*glu_in_down=*/false);
 
   // Weighted sum of the choices (the complete sum: the latent norm needs all of it), then up.
   mark("moe_combine_up");
@@ -331,11 +414,7 @@ void CudaBackbone::ffn_moe(int l, int64_t R) {
     return;
   }
   mark("moe_shared");
-  const int64_t S = m.shared_gate.rows;
-  linear(m.shared_gate, b.x.data(), H, R, b.ffn_g32.data(), S, true, stream_);
-  linear(m.shared_up, b.x.data(), H, R, b.ffn_u32.data(), S, true, stream_);
-  glu(act, b.ffn_g32.data(), S, b.ffn_u32.data(), S, R, S, b.ffn_h.data(), S, stream_);
-  linear(m.shared_down, b.ffn_h.data(), S, R, shared_out(), H, tp_sums(), stream_);
+  shared_experts(m, R, stream_);
   finish_shared(R);
   add_bf16(routed, b.shared.data(), R * H, b.sub.data(), stream_);
 }
