@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On a GPU machine: is a switch (or several) ready to be the default? For the first VARIANT (a
-# space-separated set of VAR=VALUE, e.g. "K3_CUBLAS_PLANS=1") runs the GPU tests and `k3 diff`
+# space-separated set of VAR=VALUE, e.g. "K3_CUBLAS_PLANS=0") runs the GPU tests and `k3 diff`
 # on the tiny presets under it, then times the whole step (k3_bench_step, no flips) under it and
 # under the baseline ($K3_AB_BASE, default the defaults), alternated twice (a single timing
 # carries 4-5% of spread), then once under each further variant, all within $BUDGET seconds
 # (default 500). Logs go to ${OUT:-/tmp}; the summary is printed last.
 #
-#   BUDGET=480 tools/gpu_ab.sh "K3_CUBLAS_PLANS=1" "K3_CUBLAS_PLANS=1 K3_MXFP4_GEMV=0"
+#   BUDGET=480 tools/gpu_ab.sh "K3_CUBLAS_PLANS=0" "K3_CUBLAS_PLANS=0 K3_MXFP4_GEMV=0"
 #   K3_AB_BASE="K3_MXFP4_GEMV=0" tools/gpu_ab.sh "K3_DEFAULTS=1"   # tests under the defaults
 #
 # Environment: K3_GPU_FILTER (gtest filter for the tests), K3_BATCHES (default 1), K3_STEP_ARGS

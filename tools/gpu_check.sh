@@ -10,7 +10,7 @@
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
-# K3_STEP_VARIANTS (space-separated VAR=VALUE switches, e.g. "K3_CUBLAS_PLANS=1 K3_MXFP4_GEMV=0":
+# K3_STEP_VARIANTS (space-separated VAR=VALUE switches, e.g. "K3_CUBLAS_PLANS=0 K3_MXFP4_GEMV=0":
 # k3_bench_step once more under each, without the flips, into bench_step_<VAR>.log),
 # K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
 # racecheck, where the machine's runtime supports it).

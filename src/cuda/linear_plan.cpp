@@ -364,7 +364,7 @@ std::atomic<bool>& linear_tuning_flag() {
   return on;
 }
 std::atomic<bool>& cublas_plans_flag() {
-  static std::atomic<bool> on{env_switch("K3_CUBLAS_PLANS", false)};
+  static std::atomic<bool> on{env_switch("K3_CUBLAS_PLANS", true)};
   return on;
 }
 std::atomic<bool>& mxfp4_gemv_flag() {

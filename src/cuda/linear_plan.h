@@ -134,11 +134,10 @@ void set_batch_invariant(bool on);
 // replicates (router, latent projections) must give every rank the same bits.
 bool linear_tuning();
 void set_linear_tuning(bool on);
-// cuBLAS among the measured candidates (K3_CUBLAS_PLANS=1, or set_cublas_plans(true) before
-// the first step; cublas_linear.h). Off by default: the step measured it 3% faster (1 and 8
-// rows), but the two paths then stop summing alike (CudaStepDiff failed on an H100): cuBLAS
-// picks its own K order per shape, and the specialized path's fused launches (gate|up, GLU
-// input) have other shapes or cannot take it (bench/RESULTS.md, thirteenth stop).
+// cuBLAS among the measured candidates (on by default; K3_CUBLAS_PLANS=0, or
+// set_cublas_plans(false) before the first step, leaves it out; cublas_linear.h). Both step
+// paths gained 4.7% at 8 rows with it and nothing at one, and stay bit-identical: they launch
+// the same GEMMs, so each shape tunes to one plan for both (bench/RESULTS.md, fourteenth stop).
 bool cublas_plans();
 void set_cublas_plans(bool on);
 // MXFP4 GEMV plans among the candidates (on by default; K3_MXFP4_GEMV=0, or

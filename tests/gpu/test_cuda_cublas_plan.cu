@@ -133,9 +133,9 @@ TEST(CudaCublasPlan, EpilogueEqualsTheSeparateAdds) {
   }
 }
 
-// With cuBLAS among the tuner's candidates (K3_CUBLAS_PLANS=1): the tuned launch of a shape no
-// other test uses matches the oracle on sampled rows, and its folded epilogue equals the plain
-// launch then add_bf16 bit for bit, whichever plan the timings picked.
+// With cuBLAS among the tuner's candidates (the default; the test turns it on): the tuned launch of
+// a shape no other test uses matches the oracle on sampled rows, and its folded epilogue equals the
+// plain launch then add_bf16 bit for bit, whichever plan the timings picked.
 TEST(CudaCublasPlan, TunedWithCublasCandidates) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
