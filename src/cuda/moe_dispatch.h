@@ -34,7 +34,8 @@ void moe_group_by_expert(const int32_t* ids, int64_t rows, int top_k, LocalExper
                          int32_t* position, cudaStream_t stream);
 
 // The same grouping with the active experts packed to the front, so the grouped GEMMs can run
-// over min(E, rows * top_k) slots instead of E:
+// over min(E, rows * top_k) slots instead of E (what both step paths run; the plain form above
+// is its reference in the tests):
 // slot_expert:  [E] int32: slot i < n_active holds the i-th active expert (ascending id);
 //               slots n_active..E-1 hold -1
 // slot_offsets: [E + 1] int32: slot i's pairs are [slot_offsets[i], slot_offsets[i+1]); from
