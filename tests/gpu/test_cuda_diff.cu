@@ -38,12 +38,13 @@ constexpr double kTieGap = 0.1;
 // this factor of the fp32 CPU reference's distance from the bf16 one on the same tokens.
 constexpr double kNoiseSlack = 1.5;
 
-// Router near-ties: the two paths' router inputs differ by bf16 noise, so a top-k selection
-// whose margin is within that noise may pick another expert, an O(1) change that every later
-// step inherits (one failure in run 41: logits rel L2 0.435 on tiny-kimi-linear, whose CPU run
-// has a margin of 2.1e-5 at the first token; forty other prompts' smallest margins ranged
-// 5e-5 .. 3e-3). A prompt whose CPU bf16 run, greedy as the diff's stock tokens, holds a margin
-// below this is replaced by the next seed's.
+// Router near-ties: where the two paths' router inputs differ (a regression of their bit
+// identity), a top-k selection whose margin is within bf16 noise may pick another expert, an
+// O(1) change that every later step inherits and that hides where the paths first parted (run
+// 41: logits rel L2 0.435 on tiny-kimi-linear, whose CPU run has a margin of 2.1e-5 at the first
+// token; forty other prompts' smallest margins ranged 5e-5 .. 3e-3). So a prompt whose CPU bf16
+// run, greedy as the diff's stock tokens, holds a margin below this is replaced by the next
+// seed's: a regression then shows as the rounding difference that locates it.
 constexpr float kRouterTieMargin = 1e-4f;
 
 std::vector<int32_t> tie_free_prompt(const std::string& preset, uint64_t seed) {
