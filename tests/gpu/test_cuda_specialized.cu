@@ -24,13 +24,14 @@ namespace {
 
 using cuda::StepPath;
 
-// The specialized step fuses GEMMs (other K splits), the AttnRes mix with its norm and runs the
-// shared experts beside the routed ones, so its fp32 sums differ from the stock step's in order:
-// occasional one-ulp bf16 flips of boundary tensors, which these random tiny models amplify
-// over the layers (see test_cuda_backbone.cu). The standard is the bf16 noise floor: the
-// specialized step must be no further from the stock step (mean rel L2 of the logits over the
-// steps) than the fp32 CPU reference is from the bf16 one on the same tokens, within the same
-// slack as the stock-vs-CPU checks.
+// The specialized step launches the stock step's GEMMs and mix + norm kernel, and its fusions
+// (folded adds, GLU in the down-projection, grouping in the router) round as the launches they
+// replace, so it is expected bit-identical to the stock step (test_cuda_diff.cu requires it on
+// the teacher-forced diff). These tests hold the looser standard the paths had when their fp32
+// sums ran in other orders, the bf16 noise floor: the specialized step must be no further from
+// the stock step (mean rel L2 of the logits over the steps) than the fp32 CPU reference is from
+// the bf16 one on the same tokens, within the same slack as the stock-vs-CPU checks (one-ulp
+// flips that these random tiny models amplify over the layers: test_cuda_backbone.cu).
 constexpr double kNoiseSlack = 1.5;
 constexpr int kDecodeTokens = 64;
 // Free-running: tokens compared while the stock path's top-2 gap exceeds this share of the

@@ -14,11 +14,12 @@ struct LoadedModel;
 
 namespace k3::cli {
 
-// Default per-sublayer (and logits) rel L2 bound: the specialized step fuses GEMMs and norms,
-// and each GEMM shape runs its own measured plan (split-K), so its fp32 sums run in another
-// order; on bf16 boundaries that is ~1e-3 typical, and the random tiny K3 model amplifies a
-// rounding flip ~25x over its 9 layers (measured up to 2.1e-2 on its last sublayer, against a
-// bf16 noise floor of ~0.3: the fp32 CPU reference's distance from the bf16 one).
+// Default per-sublayer (and logits) rel L2 bound. The two paths launch the same GEMMs and mix +
+// norm kernel, so they are expected bit-identical (all zeros); the bound is what a summation
+// order change would cost, should one come back: ~1e-3 typical on bf16 boundaries, amplified
+// ~25x over the random tiny K3 model's 9 layers (measured up to 2.1e-2 on its last sublayer
+// when the paths' GEMMs differed, against a bf16 noise floor of ~0.3: the fp32 CPU reference's
+// distance from the bf16 one).
 constexpr double kDefaultStepDiffTolerance = 5e-2;
 
 struct StepDiffArgs {
