@@ -277,8 +277,6 @@ class CudaBackbone final : public StepExecutor {
   void mix_norm(int n_blocks, const float* score_w, const float* norm_w, int64_t rows);
   void enqueue_specialized(int64_t rows);
   // Specialized providers (backbone_fused.cu).
-  // out: the o-projection's store epilogue (the specialized step folds the residual in).
-  void attn_kda_fused(int layer, int64_t rows, const LinearEpilogue& out);
   // True when the layer's residual add (P += sub) is done: in the latent up-projection's store
   // (fold_moe_residual) or in one launch with the shared experts' add.
   bool ffn_moe_fused(int layer, int64_t rows);
@@ -286,7 +284,10 @@ class CudaBackbone final : public StepExecutor {
   void join_side();  // stream_ waits for side_
   void prefetch_l2(std::initializer_list<const DevMatrix*> next);
   void mark(const char* stage);  // stage boundary (profile_step only)
-  void attn_kda(int layer, int64_t rows);
+  // Both paths. out: the o-projection's store epilogue (the specialized step folds the residual
+  // in); warm_o_proj: o_proj read into L2 on the side stream beside the KDA kernel
+  // (SpecializedTuning::l2_prefetch_bytes, the specialized path).
+  void attn_kda(int layer, int64_t rows, const LinearEpilogue& out = {}, bool warm_o_proj = false);
   // Every projection of x a KDA layer reads (both paths): where the KDA kernel finds them.
   KdaProjected kda_project(int layer, int64_t rows);
   // The fused KDA kernel over the step's runs (both paths): inputs in place with row strides.

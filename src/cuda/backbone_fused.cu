@@ -85,7 +85,7 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
     residual.res = fold ? b.P.data() : nullptr;
     residual.res_copy = restart;
     if (L.kind == LayerKind::KDA)
-      attn_kda_fused(l, R, residual);
+      attn_kda(l, R, residual, opt_.tuning.l2_prefetch_bytes > 0);
     else
       attn_mla(l, R, residual, opt_.tuning.mla_kv_beside);
     tap(l, "attn", R);
@@ -106,24 +106,6 @@ void CudaBackbone::enqueue_specialized(int64_t R) {
   mix_norm(n_blocks, W.output_attn_res, W.final_norm, R);
   linear(W.lm_head, b.x.data(), H, R, b.logits.data(), cfg_.vocab_size, /*y_fp32=*/true, stream_);
   advance_rows(b.slots.data(), R, pool_->positions(), stream_);
-}
-
-void CudaBackbone::attn_kda_fused(int l, int64_t R, const LinearEpilogue& out) {
-  const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
-  mark("kda_proj");
-  // One GEMM for every projection of x where concatenated (kda_project, as the stock step).
-  const KdaProjected in = kda_project(l, R);
-  mark("kda_core");
-  // The recurrence is latency-bound (a few CTAs per row): warm o_proj into L2 beside it.
-  const bool warm = opt_.tuning.l2_prefetch_bytes > 0;
-  if (warm) {
-    fork_side();
-    prefetch_l2({&k.o_proj});
-  }
-  kda_core(l, R, in.u, in.beta, in.z, in.strides);
-  if (warm) join_side();
-  mark("attn_o_proj");
-  project_out(k.o_proj, buf_->kda_gated.data(), cfg_.kda_proj_dim(), R, out);
 }
 
 bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {

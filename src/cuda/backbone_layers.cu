@@ -127,14 +127,20 @@ KdaProjected CudaBackbone::kda_project(int l, int64_t R) {
   return out;
 }
 
-void CudaBackbone::attn_kda(int l, int64_t R) {
+void CudaBackbone::attn_kda(int l, int64_t R, const LinearEpilogue& out, bool warm_o_proj) {
+  const DevKda& k = weights_->layers[static_cast<size_t>(l)].kda;
   mark("kda_proj");
   const KdaProjected in = kda_project(l, R);
   mark("kda_core");
+  // The recurrence is latency-bound (a few CTAs per row): warm o_proj into L2 beside it.
+  if (warm_o_proj) {
+    fork_side();
+    prefetch_l2({&k.o_proj});
+  }
   kda_core(l, R, in.u, in.beta, in.z, in.strides);
+  if (warm_o_proj) join_side();
   mark("attn_o_proj");
-  project_out(weights_->layers[static_cast<size_t>(l)].kda.o_proj, buf_->kda_gated.data(),
-              cfg_.kda_proj_dim(), R, {});
+  project_out(k.o_proj, buf_->kda_gated.data(), cfg_.kda_proj_dim(), R, out);
 }
 
 void CudaBackbone::kda_core(int l, int64_t R, const __nv_bfloat16* u, const __nv_bfloat16* beta,
