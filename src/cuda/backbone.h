@@ -97,6 +97,10 @@ struct SpecializedTuning {
   // a programmatic edge and streams its first weight rows while the routed experts finish (the
   // join's plain edge otherwise held its launch until the combine ended: kernel trace of run 22).
   bool join_before_combine = true;
+  // With the folded MoE residual: the combine (+ latent norm) computed by the latent up
+  // GEMV as it stages its input (linear_bf16_combined) where that shape runs the GEMV, instead
+  // of a combine kernel before it.
+  bool combine_in_latent_up = true;
   // The expert down-projection reads its slot arrays and requests its first weight chunks
   // before waiting on w1|w3 (Mxfp4Grouped::slots_ready).
   bool early_down_weights = true;

@@ -188,8 +188,13 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     join_side();
     finish_shared(R);
   }
-  moe_combine(y, b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr, cfg_.rms_norm_eps,
-              routed, stream_, y_pos);
+  const auto combine = [&] {
+    moe_combine(y, b.expert_w.data(), R, k, L, up ? m.latent_norm : nullptr, cfg_.rms_norm_eps,
+                routed, stream_, y_pos);
+  };
+  const bool combine_in_up =
+      fold && opt_.tuning.combine_in_latent_up && m.latent_up.format == WeightFormat::BF16;
+  if (!combine_in_up) combine();
   if (fold) {
     // The latent up-projection's store adds the shared experts' output (sub = routed + shared)
     // and the layer's residual (P += sub), rounding as the separate adds.
@@ -200,6 +205,11 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
     LinearEpilogue tail;
     tail.add = shared ? b.shared.data() : nullptr;
     tail.res = b.P.data();
+    const CombinedInput in{y, y_pos, b.expert_w.data(), k, m.latent_norm, cfg_.rms_norm_eps};
+    if (combine_in_up && linear_bf16_combined(in, b.moe_acc.data(), m.latent_up.bf16(), R, H, L,
+                                              b.sub.data(), H, tail, stream_))
+      return true;
+    if (combine_in_up) combine();  // the shape's plan is not the GEMV
     linear(m.latent_up, b.moe_acc.data(), L, R, b.sub.data(), H, tail, stream_);
     return true;
   }

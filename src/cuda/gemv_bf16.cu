@@ -9,12 +9,21 @@
 // rpw rows of W, the next row's loads in flight while the current one is summed (the first two
 // rows are requested before waiting on the previous kernel). Partial dots meet
 // in fixed order: lanes by an xor tree, then the ks segments in shared memory, so a shape's result
-// does not depend on anything but its inputs and plan.
+// does not depend on anything but its inputs and plan (ks; not rpw).
+//
+// Combined input (kCombine, linear_bf16_combined): every CTA computes the whole x rows as the
+// MoE combine (+ latent RMSNorm) of the expert outputs into shared memory, with moe_combine's
+// bits (moe_combine.cuh: its 512 threads are 2 virtual threads of each of these 256), then
+// reads its segments from there: the combine kernel's launch leaves the critical path, and the
+// first weight rows still stream before the wait.
 #include "cuda/gemv_bf16.h"
 
 #include <cuda_bf16.h>
 
 #include "core/error.h"
+#include "cuda/block_reduce.cuh"
+#include "cuda/linear_launch.cuh"
+#include "cuda/moe_combine.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/skinny_gemm.cuh"
 
@@ -36,11 +45,72 @@ __device__ __forceinline__ float dot8(float acc, uint4 w, uint4 x) {
   return acc;
 }
 
-template <int M, int J>
+constexpr int kCombineVirtual = kCombineThreads / (32 * kGemvWarps);  // per real thread
+static_assert(kCombineVirtual * 32 * kGemvWarps == kCombineThreads);
+static_assert(gemv_takes_combined(8 * kCombineThreads, kCombineMaxK) &&
+              !gemv_takes_combined(8 * kCombineThreads + 8, 1) &&
+              !gemv_takes_combined(8, kCombineMaxK + 1));
+
+// This thread's latent norm weights (its virtual threads' 8 columns each; 1 without a norm).
+__device__ __forceinline__ void load_combine_norm(const SkinnyArgs& a,
+                                                  float (&nw)[kCombineVirtual][8]) {
+#pragma unroll
+  for (int j = 0; j < kCombineVirtual; ++j) {
+    const int c = (threadIdx.x + j * blockDim.x) * 8;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) nw[j][e] = 1.0f;
+    if (a.combine_norm && c < a.k) load_f32x8(a.combine_norm + c, true, 8, nw[j]);
+  }
+}
+
+// xs [mx][k] bf16 = the combined (and normed) x rows, as moe_combine_kernel computes them (one
+// pass: k <= 8 * kCombineThreads, k % 8 == 0, 16-byte aligned operands: the launcher checks).
+__device__ __forceinline__ void stage_combined_x(const SkinnyArgs& a, int mx,
+                                                 const float (&nw)[kCombineVirtual][8],
+                                                 __nv_bfloat16* xs) {
+  __shared__ float scratch[33];
+  __shared__ float w_s[kCombineMaxK];
+  __shared__ int32_t rows_s[kCombineMaxK];
+  const int top_k = a.combine_k;
+  for (int t = 0; t < mx; ++t) {
+    if (static_cast<int>(threadIdx.x) < top_k) {
+      const int s = t * top_k + static_cast<int>(threadIdx.x);
+      w_s[threadIdx.x] = a.combine_w[s];
+      rows_s[threadIdx.x] = a.combine_pos ? a.combine_pos[s] : s;
+    }
+    __syncthreads();
+    float v[kCombineVirtual][8], ss[kCombineVirtual];
+#pragma unroll
+    for (int j = 0; j < kCombineVirtual; ++j) {
+      const int c = (threadIdx.x + j * blockDim.x) * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[j][e] = 0.0f;
+      if (c < a.k) combine8(a.combine_y, rows_s, w_s, top_k, a.k, c, true, v[j]);
+      ss[j] = combine_sum_sq8(v[j]);
+    }
+    if (a.combine_norm) {
+      const float inv =
+          combine_inv_rms(block_sum_virtual<kCombineVirtual>(ss, scratch), a.k, a.combine_eps);
+#pragma unroll
+      for (int j = 0; j < kCombineVirtual; ++j) combine_scale8(v[j], inv, nw[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < kCombineVirtual; ++j) {
+      const int c = (threadIdx.x + j * blockDim.x) * 8;
+      if (c < a.k) store_bf16x8(xs + static_cast<int64_t>(t) * a.k + c, true, 8, v[j]);
+    }
+    __syncthreads();  // w_s / rows_s are the next row's; xs complete
+  }
+}
+
+template <int M, int J, bool kCombine>
 __global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_bf16_kernel(const __grid_constant__ SkinnyArgs a, int ks, int rpw) {
   pdl_launch_dependents();
-  extern __shared__ float part[];  // [rows_cta][ks][M] partial dots
+  extern __shared__ __align__(16) uint8_t gemv_smem[];
+  // [mx][k] bf16 combined x (kCombine; x_bytes), then [rows_cta][ks][M] fp32 partial dots.
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(gemv_smem);
+  float* part = reinterpret_cast<float*>(gemv_smem + a.x_bytes);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int seg = warp % ks, row_lane = warp / ks, row_lanes = kGemvWarps / ks;
   const int units = a.k / 8;
@@ -66,14 +136,22 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   // norm, the KDA step, the MoE combine) twice the bytes are in flight when it completes.
   load_row(w_cur, row);
   if (rpw > 1) load_row(w_next, row + row_lanes);
+  float nw[kCombineVirtual][8];
+  if constexpr (kCombine) load_combine_norm(a, nw);  // weights: before the wait
   pdl_wait();
+  if constexpr (kCombine) stage_combined_x(a, mx, nw, xs);
   uint4 xv[M][J];  // [m, K] bf16: this warp's k segment of each token row (zero past m)
 #pragma unroll
   for (int t = 0; t < M; ++t)
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int u = u_lo + lane + 32 * j;
-      xv[t][j] = t < mx && u < u_hi ? ld_act128(a.x + t * a.ldx + u * 8) : make_uint4(0, 0, 0, 0);
+      if (!(t < mx && u < u_hi))
+        xv[t][j] = make_uint4(0, 0, 0, 0);
+      else if constexpr (kCombine)
+        xv[t][j] = *reinterpret_cast<const uint4*>(xs + t * a.k + u * 8);
+      else
+        xv[t][j] = ld_act128(a.x + t * a.ldx + u * 8);
     }
   for (int i = 0; i < rpw; ++i) {
     if (i >= 1 && i + 1 < rpw) load_row(w_next, row + row_lanes);  // row i + 1 (1: loaded above)
@@ -106,28 +184,28 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
 
 using GemvKernel = void (*)(SkinnyArgs, int, int);
 
-template <int M>
+template <int M, bool kCombine>
 GemvKernel gemv_kernel_for_units(int j) {
   switch (j) {
     case 1:
-      return gemv_bf16_kernel<M, 1>;
+      return gemv_bf16_kernel<M, 1, kCombine>;
     case 2:
-      return gemv_bf16_kernel<M, 2>;
+      return gemv_bf16_kernel<M, 2, kCombine>;
     case 3:
-      return gemv_bf16_kernel<M, 3>;
+      return gemv_bf16_kernel<M, 3, kCombine>;
     case 4:
-      return gemv_bf16_kernel<M, 4>;
+      return gemv_bf16_kernel<M, 4, kCombine>;
     case 5:
-      if constexpr (M == 1) return gemv_bf16_kernel<M, 5>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 5, kCombine>;
       break;
     case 6:
-      if constexpr (M == 1) return gemv_bf16_kernel<M, 6>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 6, kCombine>;
       break;
     case 7:
-      if constexpr (M == 1) return gemv_bf16_kernel<M, 7>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 7, kCombine>;
       break;
     case 8:
-      if constexpr (M == 1) return gemv_bf16_kernel<M, 8>;
+      if constexpr (M == 1) return gemv_bf16_kernel<M, 8, kCombine>;
       break;
     default:
       break;
@@ -137,29 +215,40 @@ GemvKernel gemv_kernel_for_units(int j) {
 
 // Instances for m = 1, 2 and 4 rows (gemv_rows_instance: 3 runs the 4-row one with its last x
 // row zero).
+template <bool kCombine>
 GemvKernel gemv_kernel_for(int m, int j) {
   switch (gemv_rows_instance(m)) {
     case 1:
-      return gemv_kernel_for_units<1>(j);
+      return gemv_kernel_for_units<1, kCombine>(j);
     case 2:
-      return gemv_kernel_for_units<2>(j);
+      return gemv_kernel_for_units<2, kCombine>(j);
     default:
-      return gemv_kernel_for_units<4>(j);
+      return gemv_kernel_for_units<4, kCombine>(j);
   }
 }
 
 }  // namespace
 
-cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& a, cudaStream_t stream) {
-  K3_CHECK(p.gemv() && p.weight == LinearWeight::BF16 && p.groups == 1 && !a.slot_expert &&
-               !a.x_glu && a.m >= 1 && a.m <= p.m && p.m <= kGemvMaxRows,
+cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& args, cudaStream_t stream) {
+  K3_CHECK(p.gemv() && p.weight == LinearWeight::BF16 && p.groups == 1 && !args.slot_expert &&
+               !args.x_glu && args.m >= 1 && args.m <= p.m && p.m <= kGemvMaxRows,
            "GEMV: a dense bf16 launch of 1..", kGemvMaxRows, " rows only (plan ", p.str(), ", m ",
-           a.m, ")");
-  const GemvKernel fn = gemv_kernel_for(p.m, gemv_units_per_lane(p.k, p.gemv_ks));
+           args.m, ")");
+  SkinnyArgs a = args;
+  const bool combine = a.combine_y != nullptr;
+  a.x_bytes = 0;
+  if (combine) {
+    K3_CHECK(gemv_takes_combined(a.k, a.combine_k) && a.combine_w, "GEMV: a combined input of ",
+             a.combine_k, " choices over width ", a.k, " does not fit the kernel");
+    a.x_bytes = gemv_rows_instance(p.m) * a.k * static_cast<int>(sizeof(__nv_bfloat16));
+  }
+  const int j = gemv_units_per_lane(p.k, p.gemv_ks);
+  const GemvKernel fn = combine ? gemv_kernel_for<true>(p.m, j) : gemv_kernel_for<false>(p.m, j);
+  if (combine) allow_max_smem(reinterpret_cast<const void*>(fn));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()));
   cfg.blockDim = dim3(static_cast<unsigned>(p.threads()));
-  cfg.dynamicSmemBytes = p.smem_bytes;
+  cfg.dynamicSmemBytes = p.smem_bytes + static_cast<size_t>(a.x_bytes);
   cfg.stream = stream;
   return cudaLaunchKernelEx(&cfg, fn, a, p.gemv_ks, p.gemv_rpw);
 }

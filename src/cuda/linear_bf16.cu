@@ -127,6 +127,25 @@ void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const
 
 namespace {
 
+detail::SkinnyArgs dense_args(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int m,
+                              int64_t N, int64_t K, void* y, int64_t ldy, bool y_fp32,
+                              const LinearEpilogue& epi) {
+  detail::SkinnyArgs a;
+  a.w = w;
+  a.x = x;
+  a.ldx = ldx;
+  a.y = y;
+  a.ldy = ldy;
+  a.y_fp32 = y_fp32 ? 1 : 0;
+  a.add = epi.add;
+  a.res = epi.res;
+  a.res_copy = epi.res_copy ? 1 : 0;
+  a.m = m;
+  a.n = static_cast<int>(N);
+  a.k = static_cast<int>(K);
+  return a;
+}
+
 void linear_bf16_impl(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M,
                       int64_t N, int64_t K, void* y, int64_t ldy, bool y_fp32,
                       const LinearEpilogue& epi, cudaStream_t stream) {
@@ -138,24 +157,67 @@ void linear_bf16_impl(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* 
            " / ldy ", ldy, " for ", N, "x", K);
   for (int64_t m0 = 0; m0 < M; m0 += 64) {
     const int m = static_cast<int>(std::min<int64_t>(64, M - m0));
-    detail::SkinnyArgs a;
-    a.w = w;
-    a.x = x + m0 * ldx;
-    a.ldx = ldx;
-    a.y = static_cast<uint8_t*>(y) + m0 * ldy * ysize;
-    a.ldy = ldy;
-    a.y_fp32 = y_fp32 ? 1 : 0;
-    a.add = epi.add ? epi.add + m0 * ldy : nullptr;
-    a.res = epi.res ? epi.res + m0 * ldy : nullptr;
-    a.res_copy = epi.res_copy ? 1 : 0;
-    a.m = m;
-    a.n = static_cast<int>(N);
-    a.k = static_cast<int>(K);
+    LinearEpilogue part = epi;
+    part.add = epi.add ? epi.add + m0 * ldy : nullptr;
+    part.res = epi.res ? epi.res + m0 * ldy : nullptr;
+    const detail::SkinnyArgs a =
+        dense_args(x + m0 * ldx, ldx, w, m, N, K, static_cast<uint8_t*>(y) + m0 * ldy * ysize, ldy,
+                   y_fp32, part);
     detail::launch_planned<Bf16Format>(LinearWeight::BF16, m, 1, tiled_ok, a, stream);
   }
 }
 
 }  // namespace
+
+namespace {
+
+// c fits the GEMV's combined input (gemv_bf16.h) with these operands.
+bool combined_fits(const CombinedInput& c, const __nv_bfloat16* w, int64_t M, int64_t K) {
+  return M >= 1 && M <= kGemvMaxRows && detail::gemv_takes_combined(K, c.top_k) &&
+         detail::aligned16(w) && detail::aligned16(c.y) &&
+         (!c.norm_w || detail::aligned16(c.norm_w));
+}
+
+void set_combined(detail::SkinnyArgs& a, const CombinedInput& c) {
+  a.combine_y = c.y;
+  a.combine_pos = c.y_pos;
+  a.combine_w = c.weights;
+  a.combine_norm = c.norm_w;
+  a.combine_eps = c.eps;
+  a.combine_k = c.top_k;
+}
+
+}  // namespace
+
+void linear_bf16_combined(const LinearPlan& p, const CombinedInput& c, const __nv_bfloat16* w,
+                          int64_t M, __nv_bfloat16* y, int64_t ldy, cudaStream_t stream) {
+  K3_CHECK(p.weight == LinearWeight::BF16 && p.gemv() && M <= p.m && ldy >= p.n,
+           "linear_bf16_combined: plan ", p.str(), " for ", M, " rows, ldy ", ldy);
+  K3_CHECK(w && y && c.y && c.weights, "linear_bf16_combined: null pointer");
+  K3_CHECK(combined_fits(c, w, M, p.k), "linear_bf16_combined: ", M, " rows of width ", p.k,
+           " over ", c.top_k, " choices do not fit the GEMV's combined input");
+  detail::SkinnyArgs a = dense_args(nullptr, p.k, w, static_cast<int>(M), p.n, p.k, y, ldy,
+                                    /*y_fp32=*/false, {});
+  set_combined(a, c);
+  detail::launch_skinny<Bf16Format>(p, a, stream);
+}
+
+bool linear_bf16_combined(const CombinedInput& c, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                          int64_t M, int64_t N, int64_t K, __nv_bfloat16* y, int64_t ldy,
+                          const LinearEpilogue& epi, cudaStream_t stream) {
+  K3_CHECK(M >= 1 && N >= 1 && K >= 1 && N <= 0x7fffffff && K <= 0x7fffffff && ldy >= N,
+           "linear_bf16_combined: shape ", M, "x", N, "x", K, " ldy ", ldy);
+  K3_CHECK(x && w && y && c.y && c.weights, "linear_bf16_combined: null pointer");
+  if (!combined_fits(c, w, M, K) || !detail::aligned16(x)) return false;
+  detail::SkinnyArgs a =
+      dense_args(x, K, w, static_cast<int>(M), N, K, y, ldy, /*y_fp32=*/false, epi);
+  const LinearPlan p = detail::planned<Bf16Format>(LinearWeight::BF16, static_cast<int>(M), 1,
+                                                   /*tiled_ok=*/true, a, stream);
+  if (!p.gemv()) return false;
+  set_combined(a, c);
+  detail::launch_skinny<Bf16Format>(p, a, stream);
+  return true;
+}
 
 void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M, int64_t N,
                  int64_t K, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {

@@ -38,6 +38,30 @@ void linear_bf16(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, in
                  int64_t K, __nv_bfloat16* y, int64_t ldy, const LinearEpilogue& epi,
                  cudaStream_t stream);
 
+// The input of a bf16 linear as the MoE combine (+ latent RMSNorm) of expert outputs, with
+// moe_combine's arguments and bits (step_ops.h): x row t = bf16(rms_norm(sum_j weights[t, j] *
+// y[y_pos[t * top_k + j]])). y: [*, K] bf16; y_pos: [M * top_k] int32 or null (row
+// t * top_k + j); weights: [M, top_k] fp32; norm_w: [K] fp32 or null.
+struct CombinedInput {
+  const __nv_bfloat16* y = nullptr;
+  const int32_t* y_pos = nullptr;
+  const float* weights = nullptr;
+  int top_k = 0;
+  const float* norm_w = nullptr;
+  float eps = 0.0f;
+};
+// y = combine(c) . W^T with the epilogue, as moe_combine into x followed by linear_bf16 on x,
+// in one launch: where the shape's plan (the plan of linear_bf16 on x, tuned on x if it was
+// not yet) is the GEMV and c fits it, launches that and returns true; else launches nothing and
+// returns false (the caller runs the two). The same bits either way. x: [M, K] bf16, the
+// unfused path's input buffer (read only for tuning).
+bool linear_bf16_combined(const CombinedInput& c, const __nv_bfloat16* x, const __nv_bfloat16* w,
+                          int64_t M, int64_t N, int64_t K, __nv_bfloat16* y, int64_t ldy,
+                          const LinearEpilogue& epi, cudaStream_t stream);
+// One such launch under an explicit GEMV plan (p.gemv(), p.m >= M; tests), bf16 y, no epilogue.
+void linear_bf16_combined(const LinearPlan& p, const CombinedInput& c, const __nv_bfloat16* w,
+                          int64_t M, __nv_bfloat16* y, int64_t ldy, cudaStream_t stream);
+
 // The plan linear_bf16 uses for one launch of m <= 64 rows (cached).
 LinearPlan plan_linear_bf16(int m, int64_t n, int64_t k);
 // Every tiled plan, best model estimate first (bench and tests).

@@ -220,12 +220,12 @@ std::pair<std::mutex&, std::map<TunedKey, TunedPlan>&> tuned_plans() {
   return {mu, tuned};
 }
 
-// Launches a.m x a.n x a.k (groups slots, `active` of them expected busy: LinearPlan) with the
+// The plan of a.m x a.n x a.k (groups slots, `active` of them expected busy: LinearPlan): the
 // tuned plan of the shape, tuning it first where allowed; `tiled_ok`: the operands meet the
 // tiled kernel's alignment (else the fallback).
 template <class Fmt>
-void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
-                    cudaStream_t stream, int active = 0) {
+LinearPlan planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
+                   cudaStream_t stream, int active = 0) {
   using Key = typename Fmt::PlanKey;
   auto [mu, tuned] = tuned_plans<Key>();
   const bool invariant = batch_invariant();
@@ -234,10 +234,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     p.weight = w, p.m = plan_m, p.n = a.n, p.k = a.k, p.groups = groups, p.fallback = true;
     return p;
   };
-  if (!tiled_ok) {
-    launch_skinny<Fmt>(fallback(), a, stream);
-    return;
-  }
+  if (!tiled_ok) return fallback();
   int dev = 0;
   K3_CUDA_CHECK(cudaGetDevice(&dev));
   const auto key = std::make_tuple(dev, plan_m, static_cast<int64_t>(a.n),
@@ -245,10 +242,7 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
   {
     std::lock_guard<std::mutex> lock(mu);
     auto it = tuned.find(key);
-    if (it != tuned.end()) {
-      launch_skinny<Fmt>(it->second.for_launch(a), a, stream);
-      return;
-    }
+    if (it != tuned.end()) return it->second.for_launch(a);
   }
   LinearPlan p = best_plan<Key>(w, plan_m, a.n, a.k, groups, active);
   std::vector<LinearPlan> ranked;
@@ -283,7 +277,14 @@ void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const
     std::lock_guard<std::mutex> lock(mu);
     tuned.emplace(key, t);
   }
-  launch_skinny<Fmt>(t.for_launch(a), a, stream);
+  return t.for_launch(a);
+}
+
+// Launches a with planned()'s plan.
+template <class Fmt>
+void launch_planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const SkinnyArgs& a,
+                    cudaStream_t stream, int active = 0) {
+  launch_skinny<Fmt>(planned<Fmt>(w, plan_m, groups, tiled_ok, a, stream, active), a, stream);
 }
 
 }  // namespace k3::cuda::detail

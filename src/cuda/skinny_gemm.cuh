@@ -45,6 +45,16 @@ struct SkinnyArgs {
   const float* x_glu = nullptr;
   int64_t ld_glu = 0, glu_up = 0;
   GluAct glu;
+  // Instead of x (bf16 GEMV only, linear_bf16_combined): x row t = the MoE combine (+ latent
+  // RMSNorm) of expert outputs, computed as moe_combine computes it (moe_combine.cuh):
+  // combine_y [*, k] bf16, combine_pos [m * combine_k] int32 or null, combine_w
+  // [m * combine_k] fp32, combine_norm [k] fp32 or null.
+  const __nv_bfloat16* combine_y = nullptr;
+  const int32_t* combine_pos = nullptr;
+  const float* combine_w = nullptr;
+  const float* combine_norm = nullptr;
+  float combine_eps = 0.0f;
+  int combine_k = 0;
   void* y = nullptr;  // [*, ldy] bf16 or fp32
   int64_t ldy = 0;
   int y_fp32 = 0;

@@ -8,6 +8,7 @@
 #include "cuda/block_reduce.cuh"
 #include "cuda/check.h"
 #include "cuda/device_util.cuh"
+#include "cuda/moe_combine.cuh"
 #include "cuda/pdl.cuh"
 
 namespace k3::cuda {
@@ -102,27 +103,9 @@ __global__ void cache_append_kernel(const __nv_bfloat16* kv, int width, const in
 }
 
 // ---- MoE combine (+ rms_norm) ----
-constexpr int kCombineThreads = 512;  // 8 columns per thread: one pass covers 4096 columns
-constexpr int kCombineMaxK = 64;
-
-// acc[e] = sum_j w[j] * y[row_j][c + e] for 8 columns (ascending j, multiply and add rounded
-// separately as on the CPU: no fused multiply-add); row_j = y_pos ? y_pos[r*k + j] : r*k + j,
-// choices with row_j < 0 (experts held by other ranks) left out.
-__device__ __forceinline__ void combine8(const __nv_bfloat16* y, const int32_t* rows_s,
-                                         const float* w_s, int top_k, int64_t width, int64_t c,
-                                         bool vec, float (&acc)[8]) {
-  const int nv = static_cast<int>(width - c < 8 ? width - c : 8);
-#pragma unroll
-  for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
-#pragma unroll 4
-  for (int j = 0; j < top_k; ++j) {
-    if (rows_s[j] < 0) continue;  // another rank's expert (uniform over the CTA: no divergence)
-    float v[8];
-    load_bf16x8(y + static_cast<int64_t>(rows_s[j]) * width + c, vec && nv == 8, nv, v);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w_s[j], v[e]));
-  }
-}
+using detail::combine8;
+using detail::kCombineMaxK;
+using detail::kCombineThreads;
 
 __global__ void __launch_bounds__(kCombineThreads)
     moe_combine_kernel(const __nv_bfloat16* y, const int32_t* y_pos, const float* weights,
@@ -164,11 +147,9 @@ __global__ void __launch_bounds__(kCombineThreads)
         for (int e = 0; e < 8; ++e) a[e] = kept[e];
       else
         combine8(y, rows_s, w_s, top_k, width, c, vec, a);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) ss += a[e] * a[e];  // columns past width are 0
+      ss += detail::combine_sum_sq8(a);  // columns past width are 0
     }
-    ss = detail::block_sum(ss, scratch);
-    inv = 1.0f / sqrtf(ss / static_cast<float>(width) + eps);
+    inv = detail::combine_inv_rms(detail::block_sum(ss, scratch), width, eps);
   }
   for (int64_t c = threadIdx.x * 8; c < width; c += kCombineThreads * 8) {
     float a[8];
@@ -185,8 +166,7 @@ __global__ void __launch_bounds__(kCombineThreads)
         for (int e = 0; e < 8; ++e) nw[e] = nw0[e];
       else
         load_f32x8(norm_w + c, vec && nv == 8, nv, nw);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a[e] = a[e] * inv * nw[e];
+      detail::combine_scale8(a, inv, nw);
     }
     store_bf16x8(out + r * width + c, vec && nv == 8, nv, a);
   }

@@ -176,5 +176,107 @@ TEST(CudaFusedGlu, OneRowGemvWithGluEqualsGluThenGemv) {
   cuda::set_linear_tuning(tuning);
 }
 
+// The latent up GEMV computing its input as the MoE combine (+ latent norm) of the expert
+// outputs (linear_bf16_combined) against moe_combine then the same GEMV: y (and res) bit for
+// bit. plan: an explicit GEMV plan (no epilogue), or null: the shape's own plan with the
+// residual epilogue. ep: shuffled positions, about a third of them other ranks' experts (-1).
+void check_combined(Rng& rng, int64_t M, int64_t N, int64_t K, int top_k, bool norm, bool ep,
+                    const cuda::LinearPlan* plan) {
+  const std::string what = "M" + std::to_string(M) + " N" + std::to_string(N) + " K" +
+                           std::to_string(K) + " top_k " + std::to_string(top_k) +
+                           (norm ? " norm" : "") + (ep ? " ep" : "") +
+                           (plan ? " plan " + plan->str() : " planned");
+  SCOPED_TRACE(what);
+  const int64_t pairs = M * top_k;
+  const auto ey = cuda::to_device<bf16>(test::random_bf16(rng, static_cast<size_t>(pairs * K)));
+  std::vector<float> wh(static_cast<size_t>(pairs)), nwh(static_cast<size_t>(K));
+  for (float& v : wh) v = rng.uniform(0.05f, 2.5f);
+  for (float& v : nwh) v = rng.uniform(0.5f, 1.5f);
+  std::vector<int32_t> pos(static_cast<size_t>(pairs));
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i);
+  if (ep) {
+    for (size_t i = pos.size() - 1; i > 0; --i)
+      std::swap(pos[i], pos[rng.next_u64() % static_cast<uint64_t>(i + 1)]);
+    for (int32_t& p : pos)
+      if (rng.next_u64() % 3 == 0) p = -1;
+  }
+  const auto ew = cuda::to_device<float>(wh);
+  const auto enw = cuda::to_device<float>(nwh);
+  const auto epos = cuda::to_device<int32_t>(pos);
+  const auto w = cuda::to_device<bf16>(
+      test::random_bf16(rng, static_cast<size_t>(N * K), 1.0f / std::sqrt(static_cast<float>(K))));
+  const auto add = cuda::to_device<bf16>(test::random_bf16(rng, static_cast<size_t>(M * N), 1.0f));
+  const auto res_h = test::random_bf16(rng, static_cast<size_t>(M * N), 2.0f);
+  cuda::CombinedInput c;
+  c.y = ey.data();
+  c.y_pos = ep ? epos.data() : nullptr;
+  c.weights = ew.data();
+  c.top_k = top_k;
+  c.norm_w = norm ? enw.data() : nullptr;
+  c.eps = 1e-5f;
+
+  // Reference: the combine kernel into x, then the GEMM (with the epilogue where planned).
+  DeviceBuffer<bf16> x(static_cast<size_t>(M * K)), y_ref(static_cast<size_t>(M * N));
+  DeviceBuffer<bf16> res_ref = cuda::to_device<bf16>(res_h), res = cuda::to_device<bf16>(res_h);
+  cuda::moe_combine(c.y, c.weights, M, top_k, K, c.norm_w, c.eps, x.data(), nullptr, c.y_pos);
+  cuda::LinearEpilogue epi;
+  epi.add = add.data();
+  epi.res = res_ref.data();
+  if (plan)
+    cuda::linear_bf16(*plan, x.data(), K, w.data(), M, y_ref.data(), N, false, nullptr);
+  else
+    cuda::linear_bf16(x.data(), K, w.data(), M, N, K, y_ref.data(), N, epi, nullptr);
+
+  DeviceBuffer<bf16> y(static_cast<size_t>(M * N));
+  y.fill_bytes(0xff);
+  epi.res = res.data();
+  x.fill_bytes(0xff);  // not read: the fused launch stages the combine itself
+  if (plan)
+    cuda::linear_bf16_combined(*plan, c, w.data(), M, y.data(), N, nullptr);
+  else
+    ASSERT_TRUE(
+        cuda::linear_bf16_combined(c, x.data(), w.data(), M, N, K, y.data(), N, epi, nullptr))
+        << "the shape's plan is the GEMV (checked by the caller)";
+  K3_CUDA_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(cuda::to_host<uint16_t>(y), cuda::to_host<uint16_t>(y_ref)) << "y";
+  if (!plan) EXPECT_EQ(cuda::to_host<uint16_t>(res), cuda::to_host<uint16_t>(res_ref)) << "res";
+}
+
+TEST(CudaFusedEpilogue, CombineInGemvEqualsCombineThenGemv) {
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const bool tuning = cuda::linear_tuning();
+  cuda::set_linear_tuning(false);  // the model's picks: the GEMV at one row
+  // The shape's own plan with the residual epilogue: K3's latent up (7168 x 3584, top-16).
+  ASSERT_TRUE(cuda::plan_linear_bf16(1, 7168, 3584).gemv()) << "the model's one-row pick";
+  for (const bool norm : {true, false})
+    for (const bool ep : {false, true}) check_combined(rng, 1, 7168, 3584, 16, norm, ep, nullptr);
+  check_combined(rng, 1, 7168, 3584, 64, true, true, nullptr);  // the widest top-k
+  // Every k split of the GEMV at 1..4 rows: the latent up, a small odd N, the widest one-pass K.
+  for (const auto& [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{1, 7168, 3584},
+                                {2, 7168, 3584},
+                                {3, 200, 264},
+                                {4, 96, 4096}}) {
+    int last_ks = 0;
+    for (const cuda::LinearPlan& p : cuda::linear_bf16_candidates(static_cast<int>(M), N, K)) {
+      if (!p.gemv() || p.gemv_ks == last_ks) continue;
+      last_ks = p.gemv_ks;
+      check_combined(rng, M, N, K, 16, /*norm=*/true, /*ep=*/M % 2 == 0, &p);
+    }
+    EXPECT_GT(last_ks, 0) << "no GEMV plan for " << M << "x" << N << "x" << K;
+  }
+  // Not the GEMV's (more rows than it takes, or K past one pass): nothing launched.
+  cuda::CombinedInput c;
+  DeviceBuffer<bf16> buf(8 * 4104);
+  DeviceBuffer<float> wts(8 * 16);
+  c.y = buf.data(), c.weights = wts.data(), c.top_k = 16;
+  EXPECT_FALSE(
+      cuda::linear_bf16_combined(c, buf.data(), buf.data(), 8, 8, 512, buf.data(), 8, {}, nullptr));
+  EXPECT_FALSE(cuda::linear_bf16_combined(c, buf.data(), buf.data(), 1, 8, 4104, buf.data(), 8, {},
+                                          nullptr));
+  cuda::set_linear_tuning(tuning);
+}
+
 }  // namespace
 }  // namespace k3

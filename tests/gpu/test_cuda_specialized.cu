@@ -169,6 +169,7 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   cuda::SpecializedTuning late_join;
   late_join.join_before_combine = !late_join.join_before_combine;
   late_join.early_down_weights = !late_join.early_down_weights;
+  late_join.combine_in_latent_up = !late_join.combine_in_latent_up;
   for (const cuda::SpecializedTuning* tuning :
        {&t, &swapped, &swapped_ungrouped, &wide, &late_join})
     for (const std::string preset : {"tiny", "tiny-kimi-linear"}) {
