@@ -99,8 +99,9 @@ struct SpecializedTuning {
   bool join_before_combine = true;
   // With the folded MoE residual: the combine (+ latent norm) computed by the latent up
   // GEMV as it stages its input (linear_bf16_combined) where that shape runs the GEMV, instead
-  // of a combine kernel before it.
-  bool combine_in_latent_up = true;
+  // of a combine kernel before it. Off until it has run on a GPU (written in a session whose
+  // device calls found no machine; its op test is CudaFusedEpilogue.CombineInGemv*).
+  bool combine_in_latent_up = false;
   // The expert down-projection reads its slot arrays and requests its first weight chunks
   // before waiting on w1|w3 (Mxfp4Grouped::slots_ready).
   bool early_down_weights = true;
