@@ -98,33 +98,6 @@ std::vector<LinearPlan> linear_bf16_candidates(int m, int64_t n, int64_t k) {
                            detail::skinny_regs<Bf16Format>);
 }
 
-void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w,
-                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
-  K3_CHECK(p.weight == LinearWeight::BF16, "linear_bf16: plan is for another weight format");
-  K3_CHECK(M >= 1 && M <= 64 && M <= p.m, "linear_bf16: M = ", M, " for a plan of ", p.m);
-  K3_CHECK(p.n >= 1 && p.k >= 1 && p.n <= 0x7fffffff && p.k <= 0x7fffffff, "linear_bf16: shape ",
-           p.n, "x", p.k);
-  K3_CHECK(x && w && y, "linear_bf16: null pointer");
-  K3_CHECK(ldx >= p.k && ldy >= p.n, "linear_bf16: ldx ", ldx, " / ldy ", ldy, " below K ", p.k,
-           " / N ", p.n);
-  const bool tiled_ok =
-      p.k % 8 == 0 && ldx % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
-  K3_CHECK(p.fallback || tiled_ok,
-           "linear_bf16: a tiled plan needs K % 8 == 0, ldx % 8 == 0 and "
-           "16-byte aligned x and w");
-  detail::SkinnyArgs a;
-  a.w = w;
-  a.x = x;
-  a.ldx = ldx;
-  a.y = y;
-  a.ldy = ldy;
-  a.y_fp32 = y_fp32 ? 1 : 0;
-  a.m = static_cast<int>(M);
-  a.n = static_cast<int>(p.n);
-  a.k = static_cast<int>(p.k);
-  detail::launch_skinny<Bf16Format>(p, a, stream);
-}
-
 namespace {
 
 detail::SkinnyArgs dense_args(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int m,
@@ -145,6 +118,28 @@ detail::SkinnyArgs dense_args(const __nv_bfloat16* x, int64_t ldx, const __nv_bf
   a.k = static_cast<int>(K);
   return a;
 }
+
+}  // namespace
+
+void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w,
+                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+  K3_CHECK(p.weight == LinearWeight::BF16, "linear_bf16: plan is for another weight format");
+  K3_CHECK(M >= 1 && M <= 64 && M <= p.m, "linear_bf16: M = ", M, " for a plan of ", p.m);
+  K3_CHECK(p.n >= 1 && p.k >= 1 && p.n <= 0x7fffffff && p.k <= 0x7fffffff, "linear_bf16: shape ",
+           p.n, "x", p.k);
+  K3_CHECK(x && w && y, "linear_bf16: null pointer");
+  K3_CHECK(ldx >= p.k && ldy >= p.n, "linear_bf16: ldx ", ldx, " / ldy ", ldy, " below K ", p.k,
+           " / N ", p.n);
+  const bool tiled_ok =
+      p.k % 8 == 0 && ldx % 8 == 0 && detail::aligned16(x) && detail::aligned16(w);
+  K3_CHECK(p.fallback || tiled_ok,
+           "linear_bf16: a tiled plan needs K % 8 == 0, ldx % 8 == 0 and "
+           "16-byte aligned x and w");
+  detail::launch_skinny<Bf16Format>(
+      p, dense_args(x, ldx, w, static_cast<int>(M), p.n, p.k, y, ldy, y_fp32, {}), stream);
+}
+
+namespace {
 
 void linear_bf16_impl(const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w, int64_t M,
                       int64_t N, int64_t K, void* y, int64_t ldy, bool y_fp32,
