@@ -15,7 +15,8 @@
 // Context: every row's cache is made --context long (deterministic synthetic latents).
 // Verify: --verify-q (default 2,4,8) times one request's q tokens as one step at batch 1.
 // Flips: with tuning, the specialized path's SpecializedTuning choices are timed one by one
-// (--no-flips skips them: a second run under another environment switch).
+// (--no-flips skips them: a second run under another environment switch; --flips-matching TEXT
+// times only those whose description contains TEXT).
 // Trace: --trace prints each path's kernel timeline of one more replay (CUPTI; kernel_trace.h).
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
@@ -67,6 +68,7 @@ struct Args {
   std::vector<int64_t> contexts = {1024, 32768};
   std::vector<int> verify_q = {2, 4, 8};  // speculative verify rows at batch 1 (empty: none)
   std::string dir;
+  std::string flips_matching;  // empty: every flip
 };
 
 std::vector<int64_t> parse_list(const char* s) {
@@ -103,6 +105,8 @@ Args parse(int argc, char** argv) {
       a.profile = false;
     else if (k == "--no-flips")
       a.flips = false;
+    else if (k == "--flips-matching")
+      a.flips_matching = v, ++i;
     else if (k == "--no-tuning")
       a.tuning = false;
     else if (k == "--trace")
@@ -434,6 +438,7 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
   std::string won;
   double before = timed(def);
   for (const Flip& f : flips) {
+    if (f.what.find(a.flips_matching) == std::string::npos) continue;
     Tuning t = def;
     f.apply(t);
     const double ms = timed(t), after = timed(def);
