@@ -312,7 +312,7 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, int sms, Rng& rng) {
 }
 
 // ---- router top-k ----
-void bench_router(Timer& t, int rows, Rng& rng) {
+void bench_router(Timer& t, int rows, bool merge_tree, Rng& rng) {
   const int E = 896, top_k = 16;
   std::vector<float> logits(static_cast<size_t>(rows) * E), bias(E);
   for (auto& x : logits) x = 2.0f * rng.normal();
@@ -320,13 +320,17 @@ void bench_router(Timer& t, int rows, Rng& rng) {
   const auto dl = cuda::to_device<float>(logits), dbias = cuda::to_device<float>(bias);
   DeviceBuffer<int32_t> ids(static_cast<size_t>(rows) * top_k);
   DeviceBuffer<float> wts(static_cast<size_t>(rows) * top_k);
-  const cuda::RouterPlan p{
-      .num_experts = E, .top_k = top_k, .renormalize = true, .routed_scaling_factor = 2.827f};
+  const cuda::RouterPlan p{.num_experts = E,
+                           .top_k = top_k,
+                           .renormalize = true,
+                           .routed_scaling_factor = 2.827f,
+                           .merge_tree = merge_tree};
   cuda::check_router_plan(p);
   auto op = [&](int, cudaStream_t s) {
     cuda::router_topk(p, dl.data(), dbias.data(), rows, ids.data(), wts.data(), s);
   };
-  Result r{"router", "E896 top16", "", rows, rows * E * 4.0 + E * 4.0 + rows * top_k * 8.0};
+  Result r{"router", merge_tree ? "E896 top16 merge tree" : "E896 top16 radix", "", rows,
+           rows * E * 4.0 + E * 4.0 + rows * top_k * 8.0};
   r.warm = true;
   r.us = t.batched_us(op, 32);  // 32 launches on one (L2-warm) copy
   // Check: row 0 against cpu::route with an fp32 identity gate (its GEMM returns the logits).
@@ -386,7 +390,8 @@ int main(int argc, char** argv) {
         for (int ctx : {1024, 32768})
           for (int rows : row_counts) bench_mla(t, heads, ctx, rows, p.multiProcessorCount, rng);
     if (want("router"))
-      for (int rows : row_counts) bench_router(t, rows, rng);
+      for (int rows : row_counts)
+        for (bool tree : {false, true}) bench_router(t, rows, tree, rng);
 
     std::printf("\n%-6s %-22s %4s %9s %7s %6s %6s  %s\n", "kernel", "shape", "rows", "us", "GB/s",
                 "%4.3T", "%curve", "check");

@@ -422,6 +422,9 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
       {named(def.mla_kv_beside, "MLA kv path after the query path",
              "MLA kv path beside the query path"),
        [&](Tuning& t) { t.mla_kv_beside = !def.mla_kv_beside; }},
+      {named(def.router_merge_tree, "router top-k by the radix select",
+             "router top-k by the warp merge tree"),
+       [&](Tuning& t) { t.router_merge_tree = !def.router_merge_tree; }},
   };
   const auto timed = [&](const Tuning& t) {
     bb.set_specialized_tuning(t);

@@ -118,6 +118,10 @@ struct SpecializedTuning {
   // on the side stream beside the query path (q_a, norm, q_b, absorb); they read x only, and
   // the attention waits for the append, the un-absorb for the gate.
   bool mla_kv_beside = true;
+  // The router top-k selects by the warp merge tree (RouterPlan::merge_tree; same outputs)
+  // instead of the radix select. Off until timed on a GPU (written in a session whose device
+  // calls found no machine; its op tests are CudaRouter.*, CudaMoeDispatch.RouterGrouping*).
+  bool router_merge_tree = false;
 };
 
 // This backbone as one rank of a multi-rank layout (parallel/layout.h; DESIGN.md "Multi-rank"):
@@ -341,7 +345,8 @@ class CudaBackbone final : public StepExecutor {
   const __nv_bfloat16* route_and_project(const DevMoe& m, int64_t rows, int64_t& L,
                                          cudaStream_t latent_stream,
                                          const RouterGrouping* group = nullptr,
-                                         cudaStream_t router_stream = nullptr);
+                                         cudaStream_t router_stream = nullptr,
+                                         bool router_merge_tree = false);
   const MlaDecodePlan& mla_plan(int64_t rows);  // for the current batch_invariant()
   const MlaDecodePlan& mla_plan(int64_t rows, bool invariant);
 

@@ -150,8 +150,9 @@ bool CudaBackbone::ffn_moe_fused(int l, int64_t R) {
   // (both read x only), the shared experts after it there.
   // swap: the router on the side stream instead, the latent down leading the main chain.
   const bool swap = beside && opt_.tuning.router_beside_latent;
-  const __nv_bfloat16* z = route_and_project(m, R, L, beside && !swap ? side_ : stream_,
-                                             grouped ? &grouping : nullptr, swap ? side_ : stream_);
+  const __nv_bfloat16* z =
+      route_and_project(m, R, L, beside && !swap ? side_ : stream_, grouped ? &grouping : nullptr,
+                        swap ? side_ : stream_, opt_.tuning.router_merge_tree);
   const bool join_now = beside && (ep || swap);  // EP gathers z; swapped, the ids are the side's
   if (join_now) {
     join_side();  // z (and the routing) ready

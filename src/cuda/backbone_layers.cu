@@ -356,7 +356,8 @@ ExpertGroups CudaBackbone::expert_groups(const DevMoe& m, int64_t XR) const {
 const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R, int64_t& L,
                                                      cudaStream_t latent_stream,
                                                      const RouterGrouping* group,
-                                                     cudaStream_t router_stream) {
+                                                     cudaStream_t router_stream,
+                                                     bool router_merge_tree) {
   Buffers& b = *buf_;
   const int64_t H = cfg_.hidden_size, E = m.gate.rows;
   const cudaStream_t rs = router_stream ? router_stream : stream_;
@@ -368,6 +369,7 @@ const __nv_bfloat16* CudaBackbone::route_and_project(const DevMoe& m, int64_t R,
   rp.num_expert_group = cfg_.num_expert_group;
   rp.renormalize = cfg_.moe_renormalize;
   rp.routed_scaling_factor = cfg_.routed_scaling_factor;
+  rp.merge_tree = router_merge_tree;
   if (group)
     router_topk_grouped(rp, b.router_logits.data(), m.score_bias, R, b.expert_ids.data(),
                         b.expert_w.data(), *group, rs);

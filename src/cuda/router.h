@@ -17,6 +17,9 @@ struct RouterPlan {
   int num_expert_group = 1;  // only 1 is supported; others are refused by check_router_plan
   bool renormalize = true;
   float routed_scaling_factor = 1.0f;
+  // The select (router.cu): a warp sort and merge tree of 64-bit keys instead of the radix
+  // select of CTA-wide counts; the same outputs. Off until timed on a GPU.
+  bool merge_tree = false;
 };
 
 // Raises k3::Error for plans this kernel does not implement (E > 1024, top_k > 32,

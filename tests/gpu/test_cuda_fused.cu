@@ -427,7 +427,8 @@ TEST(CudaMoeDispatch, CompactMatchesReference) {
 
 // router_topk_grouped equals router_topk then moe_group_by_expert_compact, every output bit for
 // bit, over repeated launches on one counter (each launch must leave it zero for the next),
-// with fresh logits per launch so a stale grouping cannot pass.
+// with fresh logits per launch so a stale grouping cannot pass; the grouped launch by either
+// select against the radix select's router_topk, so the two selects agree too.
 TEST(CudaMoeDispatch, RouterGroupingEqualsTopkThenGrouping) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
@@ -450,14 +451,16 @@ TEST(CudaMoeDispatch, RouterGroupingEqualsTopkThenGrouping) {
       DeviceBuffer<int32_t> ids0(n), ids1(n), se0(LE), se1(LE), so0(LE + 1), so1(LE + 1), ri0(n),
           ri1(n), po0(n), po1(n);
       DeviceBuffer<float> w0(n), w1(n);
-      for (int launch = 0; launch < 3; ++launch) {
+      for (int launch = 0; launch < 4; ++launch) {
         std::vector<float> logits(static_cast<size_t>(rows) * E);
         for (float& v : logits) v = 2.0f * rng.normal();
         const auto d_logits = cuda::to_device<float>(logits);
         for (auto* b : {&ids0, &ids1, &se0, &se1, &so0, &so1, &ri0, &ri1, &po0, &po1})
           b->fill_bytes(0x7f);
+        plan.merge_tree = false;
         cuda::router_topk(plan, d_logits.data(), d_bias.data(), rows, ids0.data(), w0.data(),
                           nullptr);
+        plan.merge_tree = launch % 2 == 1;
         cuda::moe_group_by_expert_compact(ids0.data(), rows, top_k, local, se0.data(), so0.data(),
                                           ri0.data(), po0.data(), nullptr);
         cuda::RouterGrouping g;
@@ -470,6 +473,7 @@ TEST(CudaMoeDispatch, RouterGroupingEqualsTopkThenGrouping) {
         cuda::router_topk_grouped(plan, d_logits.data(), d_bias.data(), rows, ids1.data(),
                                   w1.data(), g, nullptr);
         K3_CUDA_CHECK(cudaDeviceSynchronize());
+        SCOPED_TRACE(plan.merge_tree ? "grouped by the merge tree" : "grouped by the radix select");
         EXPECT_EQ(cuda::to_host<int32_t>(ids1), cuda::to_host<int32_t>(ids0)) << "ids";
         EXPECT_EQ(cuda::to_host<float>(w1), cuda::to_host<float>(w0)) << "weights";
         EXPECT_EQ(cuda::to_host<int32_t>(se1), cuda::to_host<int32_t>(se0)) << "slot_expert";

@@ -299,7 +299,8 @@ TEST(CudaMla, RefusesUnsupportedShapes) {
 
 // ties: logits from 5 levels and no bias, so many choice scores are exactly equal and the
 // order falls back to the lower id (no redraw).
-void check_router(int E, int top_k, bool with_bias, bool renormalize, bool ties = false) {
+void check_router(int E, int top_k, bool with_bias, bool renormalize, bool ties = false,
+                  bool merge_tree = false) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
@@ -342,7 +343,8 @@ void check_router(int E, int top_k, bool with_bias, bool renormalize, bool ties 
   const cuda::RouterPlan p{.num_experts = E,
                            .top_k = top_k,
                            .renormalize = renormalize,
-                           .routed_scaling_factor = cfg.routed_scaling_factor};
+                           .routed_scaling_factor = cfg.routed_scaling_factor,
+                           .merge_tree = merge_tree};
   DeviceBuffer<float> d_logits = cuda::to_device<float>(logits);
   DeviceBuffer<float> d_bias = cuda::to_device<float>(bias);
   DeviceBuffer<int32_t> d_ids(ref_ids.size());
@@ -360,17 +362,22 @@ void check_router(int E, int top_k, bool with_bias, bool renormalize, bool ties 
     bad_w += !(std::fabs(w[i] - ref_w[i]) <= kRouterWeightRel * std::fabs(ref_w[i]));
   }
   const std::string what = "E " + std::to_string(E) + " top " + std::to_string(top_k) +
-                           (with_bias ? " bias" : "") + (renormalize ? " renorm" : "");
+                           (with_bias ? " bias" : "") + (renormalize ? " renorm" : "") +
+                           (merge_tree ? " merge tree" : " radix");
   EXPECT_EQ(bad_ids, 0) << what << ": expert ids differ";
   EXPECT_EQ(bad_w, 0) << what << ": weights differ";
 }
 
+// Both selects (RouterPlan::merge_tree).
 TEST(CudaRouter, MatchesCpuRoute) {
-  for (auto [E, k] : {std::pair{896, 16}, std::pair{64, 6}, std::pair{16, 4}, std::pair{8, 8},
-                      std::pair{1024, 32}, std::pair{1000, 17}})
-    for (bool bias : {false, true})
-      for (bool renorm : {false, true}) check_router(E, k, bias, renorm);
-  for (auto [E, k] : {std::pair{896, 16}, std::pair{40, 32}}) check_router(E, k, false, true, true);
+  for (bool tree : {false, true}) {
+    for (auto [E, k] : {std::pair{896, 16}, std::pair{64, 6}, std::pair{16, 4}, std::pair{8, 8},
+                        std::pair{1024, 32}, std::pair{1000, 17}, std::pair{33, 1}})
+      for (bool bias : {false, true})
+        for (bool renorm : {false, true}) check_router(E, k, bias, renorm, false, tree);
+    for (auto [E, k] : {std::pair{896, 16}, std::pair{40, 32}, std::pair{1024, 32}})
+      check_router(E, k, false, true, true, tree);
+  }
 }
 
 TEST(CudaRouter, RefusesUnsupportedPlans) {

@@ -160,6 +160,7 @@ TEST(CudaSpecialized, TuningChoicesMatchStockTiny) {
   // default), with the grouping in the router kernel and as its own kernel after the join.
   cuda::SpecializedTuning swapped;
   swapped.router_beside_latent = !swapped.router_beside_latent;
+  swapped.router_merge_tree = !swapped.router_merge_tree;  // the other top-k select too
   cuda::SpecializedTuning swapped_ungrouped = swapped;
   swapped_ungrouped.group_in_router = !swapped_ungrouped.group_in_router;
   // Every step wide (no PDL edges, GLU kernel, add kernels), whatever its rows.
