@@ -158,7 +158,11 @@ __global__ void __launch_bounds__(kThreads)
   const float s = e < E ? sigmoid_ref(lg[e]) : 0.0f;
   score[e] = s;  // read by warp 0 after the select's barriers
   const unsigned key = e < E ? ordered_key(s + b) : 0u;
-  const int my_id = kTree ? tree_pick(key, e) : radix_pick(key, e, E, top_k);
+  int my_id;  // (if constexpr: each kernel holds only its own select's shared memory)
+  if constexpr (kTree)
+    my_id = tree_pick(key, e);
+  else
+    my_id = radix_pick(key, e, E, top_k);
 
   if (w == 0) {  // my_id: the lane-th pick (value desc, id asc)
     // The weight uses s without the bias.
