@@ -16,7 +16,8 @@
 // Verify: --verify-q (default 2,4,8) times one request's q tokens as one step at batch 1.
 // Flips: with tuning, the specialized path's SpecializedTuning choices are timed one by one
 // (--no-flips skips them: a second run under another environment switch; --flips-matching TEXT
-// times only those whose description contains TEXT).
+// times only those whose description contains TEXT; --flip-repeats N times each flip N times,
+// each between two timings of the defaults, and judges the median of those ratios).
 // Trace: --trace prints each path's kernel timeline of one more replay (CUPTI; kernel_trace.h).
 // Timing: CUDA-graph replays of the step for each batch, L2 flushed (256 MB write) before each,
 // events around the step, median of --replays.
@@ -62,6 +63,7 @@ constexpr double kPeakTBps = 4.3;
 
 struct Args {
   int layers = 8, tp = 16, ep = 16, replays = 20, template_layers = 8;
+  int flip_repeats = 1;  // timings of each flip, each between two of the defaults
   bool dsa = false, profile = true, tuning = true, trace = false, flips = true;
   std::vector<std::string> paths = {"stock", "specialized"};
   std::vector<int> batches = {1, 8, 64};
@@ -107,6 +109,8 @@ Args parse(int argc, char** argv) {
       a.flips = false;
     else if (k == "--flips-matching")
       a.flips_matching = v, ++i;
+    else if (k == "--flip-repeats")
+      a.flip_repeats = std::max(1, std::atoi(v)), ++i;
     else if (k == "--no-tuning")
       a.tuning = false;
     else if (k == "--trace")
@@ -444,14 +448,27 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
     if (f.what.find(a.flips_matching) == std::string::npos) continue;
     Tuning t = def;
     f.apply(t);
-    const double ms = timed(t), after = timed(def);
-    const double base = 0.5 * (before + after);
+    // Repeats: the flip's ratio to the defaults around it, per repeat; the median judges it.
+    std::vector<double> flip_ms, base_ms, ratios;
+    for (int r = 0; r < a.flip_repeats; ++r) {
+      const double ms = timed(t), after = timed(def);
+      flip_ms.push_back(ms);
+      base_ms.push_back(0.5 * (before + after));
+      ratios.push_back(ms / base_ms.back());
+      before = after;
+    }
+    const double ms = median_ms(flip_ms), base = median_ms(base_ms);
     print(ms, base, f.what);
-    if (ms < 0.99 * base) {
+    if (a.flip_repeats > 1)
+      std::printf("%-12s %6d %8lld   %d repeats: median %+.2f%%, range %+.2f%% .. %+.2f%%\n", "",
+                  rows, static_cast<long long>(ctx), a.flip_repeats,
+                  100.0 * (median_ms(ratios) - 1.0),
+                  100.0 * (*std::min_element(ratios.begin(), ratios.end()) - 1.0),
+                  100.0 * (*std::max_element(ratios.begin(), ratios.end()) - 1.0));
+    if (median_ms(ratios) < 0.99) {
       f.apply(combined);
       won += (won.empty() ? "" : " + ") + f.what;
     }
-    before = after;
   }
   if (!won.empty()) {
     std::vector<double> d = {before}, c;

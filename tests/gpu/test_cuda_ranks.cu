@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <iomanip>
 #include <span>
 #include <sstream>
 #include <string>
@@ -114,6 +115,7 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
   }
   double dist = 0, noise = 0;
   int identical = 0;
+  std::ostringstream per_step;  // "step: rank-vs-single / fp32-vs-bf16", shown on failure
   for (int t = 0; t < kSteps; ++t) {
     std::vector<int32_t> toks;
     for (size_t i = 0; i < n; ++i) toks.push_back(static_cast<int32_t>(tokens[i][t]));
@@ -123,25 +125,30 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
     ranks.logits_rows_to_host(rows, outs);
     ref.step(st, tokens[0][t], cpu16.data());
     ref32.step(st32, tokens[0][t], cpu32.data());
-    noise += rel_l2(cpu32, cpu16);
+    const double step_noise = rel_l2(cpu32, cpu16);
+    noise += step_noise;
+    double step_dist = 0;
     for (size_t i = 0; i < n; ++i) {
       const std::vector<float> g(got.begin() + i * V, got.begin() + (i + 1) * V);
       const std::vector<float> w(want.begin() + i * V, want.begin() + (i + 1) * V);
       for (float v : g) ASSERT_TRUE(std::isfinite(v)) << "step " << t << " request " << i;
-      dist += rel_l2(g, w) / static_cast<double>(n);
+      step_dist += rel_l2(g, w) / static_cast<double>(n);
       identical += g == w;
       if (exact)
         ASSERT_TRUE(g == w) << "step " << t << " request " << i << ": rel L2 " << rel_l2(g, w);
       if (t + 1 >= static_cast<int>(tokens[i].size()))
         tokens[i].push_back(cpu::argmax(w.data(), cfg.vocab_size));
     }
+    dist += step_dist;
+    per_step << ' ' << t << ": " << std::setprecision(2) << step_dist << " / " << step_noise;
   }
   std::printf(
       "  %s %s%s, %d requests x %d steps: vs single rank rel L2 %.2e mean, %d/%d rows "
       "bit-identical; fp32 vs bf16 CPU %.2e\n",
       preset.c_str(), name(lo).c_str(), path == StepPath::Specialized ? " specialized" : "",
       requests, kSteps, dist / kSteps, identical, requests * kSteps, noise / kSteps);
-  EXPECT_LE(dist, std::max(kNoiseSlack * noise, kNoiseAbs * kSteps));
+  EXPECT_LE(dist, std::max(kNoiseSlack * noise, kNoiseAbs * kSteps))
+      << "per step (rank vs single rank / fp32 vs bf16 CPU):" << per_step.str();
 }
 
 TEST(CudaRanks, DataParallelExpertParallelIsBitIdenticalTiny) {
