@@ -103,9 +103,12 @@ __device__ __forceinline__ void stage_combined_x(const SkinnyArgs& a, int mx,
   }
 }
 
-template <int M, int J, bool kCombine>
+// P: rows of W in flight per warp (a ring of P rows in registers), all P requested before the
+// wait; each row's dot is the same whatever P, so P changes the timing only.
+template <int M, int J, bool kCombine, int P = 2>
 __global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_bf16_kernel(const __grid_constant__ SkinnyArgs a, int ks, int rpw) {
+  static_assert(P >= 2);
   pdl_launch_dependents();
   extern __shared__ __align__(16) uint8_t gemv_smem[];
   // [mx][k] bf16 combined x (kCombine; x_bytes), then [rows_cta][ks][M] fp32 partial dots.
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
   const int mx = min(a.m, M);
   const __nv_bfloat16* W = static_cast<const __nv_bfloat16*>(a.w);  // [N, K] bf16
 
-  uint4 w_cur[J], w_next[J];
+  uint4 w_ring[P][J];
   const auto load_row = [&](uint4(&w)[J], int row) {
     const bool ok = row < a.n;
     const uint4* src = reinterpret_cast<const uint4*>(W + static_cast<int64_t>(ok ? row : 0) * a.k);
@@ -132,10 +135,11 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
     }
   };
   int row = row0 + row_lane;  // rows row0 + row_lane + i * row_lanes, i < rpw
-  // The first two rows' weights stream before x is ready: behind a latency-bound kernel (a
-  // norm, the KDA step, the MoE combine) twice the bytes are in flight when it completes.
-  load_row(w_cur, row);
-  if (rpw > 1) load_row(w_next, row + row_lanes);
+  // The first P rows' weights stream before x is ready: behind a latency-bound kernel (a norm,
+  // the KDA step, the MoE combine) P rows' bytes are in flight (or arrived) when it completes.
+#pragma unroll
+  for (int q = 0; q < P; ++q)
+    if (q < rpw) load_row(w_ring[q], row + q * row_lanes);
   float nw[kCombineVirtual][8];
   if constexpr (kCombine) load_combine_norm(a, nw);  // weights: before the wait
   pdl_wait();
@@ -153,23 +157,27 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
       else
         xv[t][j] = ld_act128(a.x + t * a.ldx + u * 8);
     }
-  for (int i = 0; i < rpw; ++i) {
-    if (i >= 1 && i + 1 < rpw) load_row(w_next, row + row_lanes);  // row i + 1 (1: loaded above)
-    float acc[M];
+  // Row i sits in ring slot i % P (unrolled by P so the slot is static); once summed, the slot
+  // takes row i + P.
+  for (int i0 = 0; i0 < rpw; i0 += P) {
 #pragma unroll
-    for (int t = 0; t < M; ++t) {
-      acc[t] = 0.0f;
+    for (int q = 0; q < P; ++q) {
+      const int i = i0 + q;
+      if (i >= rpw) break;
+      float acc[M];
 #pragma unroll
-      for (int j = 0; j < J; ++j) acc[t] = dot8(acc[t], w_cur[j], xv[t][j]);
-      acc[t] = warp_sum(acc[t]);
+      for (int t = 0; t < M; ++t) {
+        acc[t] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < J; ++j) acc[t] = dot8(acc[t], w_ring[q][j], xv[t][j]);
+        acc[t] = warp_sum(acc[t]);
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int t = 0; t < M; ++t) part[((i * row_lanes + row_lane) * ks + seg) * M + t] = acc[t];
+      }
+      if (i + P < rpw) load_row(w_ring[q], row + (i + P) * row_lanes);
     }
-    if (lane == 0) {
-#pragma unroll
-      for (int t = 0; t < M; ++t) part[((i * row_lanes + row_lane) * ks + seg) * M + t] = acc[t];
-    }
-#pragma unroll
-    for (int j = 0; j < J; ++j) w_cur[j] = w_next[j];
-    row += row_lanes;
   }
   __syncthreads();
   for (int e = threadIdx.x; e < rows_cta * mx; e += blockDim.x) {
@@ -183,6 +191,23 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
 }
 
 using GemvKernel = void (*)(SkinnyArgs, int, int);
+
+// The deep-prefetch instances (gemv_deep_prefetch): one row, plain x, rows of up to 4 units per
+// lane, with 16 weight units per lane in flight (P = 8 rows of 1-2 units, 4 of 3-4).
+GemvKernel gemv_deep_kernel(int j) {
+  switch (j) {
+    case 1:
+      return gemv_bf16_kernel<1, 1, false, 8>;
+    case 2:
+      return gemv_bf16_kernel<1, 2, false, 8>;
+    case 3:
+      return gemv_bf16_kernel<1, 3, false, 4>;
+    case 4:
+      return gemv_bf16_kernel<1, 4, false, 4>;
+    default:
+      return nullptr;
+  }
+}
 
 template <int M, bool kCombine>
 GemvKernel gemv_kernel_for_units(int j) {
@@ -243,7 +268,13 @@ cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& args, cudaSt
     a.x_bytes = gemv_rows_instance(p.m) * a.k * static_cast<int>(sizeof(__nv_bfloat16));
   }
   const int j = gemv_units_per_lane(p.k, p.gemv_ks);
-  const GemvKernel fn = combine ? gemv_kernel_for<true>(p.m, j) : gemv_kernel_for<false>(p.m, j);
+  const GemvKernel deep =
+      gemv_deep_prefetch() && !combine && gemv_rows_instance(p.m) == 1 && p.gemv_rpw > 2
+          ? gemv_deep_kernel(j)
+          : nullptr;
+  const GemvKernel fn = deep      ? deep
+                        : combine ? gemv_kernel_for<true>(p.m, j)
+                                  : gemv_kernel_for<false>(p.m, j);
   if (combine) allow_max_smem(reinterpret_cast<const void*>(fn));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()));

@@ -146,6 +146,11 @@ void set_cublas_plans(bool on);
 // thirteenth stop).
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
+// One-row bf16 GEMVs of more than 2 rows per warp keep 16 weight units per lane in flight (4 or
+// 8 rows, all requested before the PDL wait) instead of 2 rows (off by default; K3_GEMV_DEEP=1
+// or set_gemv_deep_prefetch(true)). The same sums in the same order: it changes timing only.
+bool gemv_deep_prefetch();
+void set_gemv_deep_prefetch(bool on);
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
