@@ -26,6 +26,7 @@
 #include "backbone_test_util.h"
 #include "core/error.h"
 #include "cpu/backbone.h"
+#include "cpu/ops_moe.h"
 #include "cpu/sampling.h"
 #include "cuda/backbone.h"
 #include "cuda/cuda_step_backend.h"
@@ -115,6 +116,7 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
   }
   double dist = 0, noise = 0;
   int identical = 0;
+  const cpu::RouterMarginProbe probe;  // router margins of both CPU runs on request 0's tokens
   std::ostringstream per_step;  // "step: rank-vs-single / fp32-vs-bf16", shown on failure
   for (int t = 0; t < kSteps; ++t) {
     std::vector<int32_t> toks;
@@ -144,9 +146,10 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
   }
   std::printf(
       "  %s %s%s, %d requests x %d steps: vs single rank rel L2 %.2e mean, %d/%d rows "
-      "bit-identical; fp32 vs bf16 CPU %.2e\n",
+      "bit-identical; fp32 vs bf16 CPU %.2e; smallest router margin %.1e\n",
       preset.c_str(), name(lo).c_str(), path == StepPath::Specialized ? " specialized" : "",
-      requests, kSteps, dist / kSteps, identical, requests * kSteps, noise / kSteps);
+      requests, kSteps, dist / kSteps, identical, requests * kSteps, noise / kSteps,
+      static_cast<double>(probe.min_margin()));
   EXPECT_LE(dist, std::max(kNoiseSlack * noise, kNoiseAbs * kSteps))
       << "per step (rank vs single rank / fp32 vs bf16 CPU):" << per_step.str();
 }
