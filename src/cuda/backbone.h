@@ -119,9 +119,10 @@ struct SpecializedTuning {
   // the attention waits for the append, the un-absorb for the gate.
   bool mla_kv_beside = true;
   // The router top-k selects by the warp merge tree (RouterPlan::merge_tree; same outputs)
-  // instead of the radix select. Off until timed on a GPU (written in a session whose device
-  // calls found no machine; its op tests are CudaRouter.*, CudaMoeDispatch.RouterGrouping*).
-  bool router_merge_tree = false;
+  // instead of the radix select (the stock step's). H100: 3.6 against 5.5 us per launch at
+  // 1-64 rows; the batch-1 step within its spread (+0.1%), the router running beside the longer
+  // latent down (bench/RESULTS.md, seventeenth stop).
+  bool router_merge_tree = true;
 };
 
 // This backbone as one rank of a multi-rank layout (parallel/layout.h; DESIGN.md "Multi-rank"):
