@@ -104,9 +104,15 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
     single_slots.push_back(i);
     rank_slots.push_back((i % lo.dp) * ro.backbone.pool.slots + i / lo.dp);
   }
-  // The noise floor on request 0's tokens.
+  // The noise floor on every request's tokens, averaged as the distance is: one request's
+  // fp32-vs-bf16 distance alone swings with where its first routing flip falls (one 24-step
+  // request measured 0.078 against a noise of 0.235 on one seed, 0.334 against 0.164 on another).
   const cpu::CpuBackbone ref = bf16_reference(m), ref32 = fp32_reference(m);
-  cpu::DecodeState st = ref.new_state(), st32 = ref32.new_state();
+  std::vector<cpu::DecodeState> st, st32;
+  for (size_t i = 0; i < n; ++i) {
+    st.push_back(ref.new_state());
+    st32.push_back(ref32.new_state());
+  }
   std::vector<float> want(n * V), got(n * V), cpu16(V), cpu32(V);
   std::vector<int64_t> rows(n);
   std::vector<float*> outs(n);
@@ -116,8 +122,8 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
   }
   double dist = 0, noise = 0;
   int identical = 0;
-  const cpu::RouterMarginProbe probe;  // router margins of both CPU runs on request 0's tokens
-  std::ostringstream per_step;  // "step: rank-vs-single / fp32-vs-bf16", shown on failure
+  const cpu::RouterMarginProbe probe;  // router margins of both CPU runs
+  std::ostringstream per_step;         // "step: rank-vs-single / fp32-vs-bf16", shown on failure
   for (int t = 0; t < kSteps; ++t) {
     std::vector<int32_t> toks;
     for (size_t i = 0; i < n; ++i) toks.push_back(static_cast<int32_t>(tokens[i][t]));
@@ -125,11 +131,13 @@ void check_layout(const std::string& preset, const ParallelLayout& lo, int reque
     single.logits_to_host(requests, want.data());
     ranks.step(rank_slots, toks, path);
     ranks.logits_rows_to_host(rows, outs);
-    ref.step(st, tokens[0][t], cpu16.data());
-    ref32.step(st32, tokens[0][t], cpu32.data());
-    const double step_noise = rel_l2(cpu32, cpu16);
+    double step_noise = 0, step_dist = 0;
+    for (size_t i = 0; i < n; ++i) {
+      ref.step(st[i], tokens[i][t], cpu16.data());
+      ref32.step(st32[i], tokens[i][t], cpu32.data());
+      step_noise += rel_l2(cpu32, cpu16) / static_cast<double>(n);
+    }
     noise += step_noise;
-    double step_dist = 0;
     for (size_t i = 0; i < n; ++i) {
       const std::vector<float> g(got.begin() + i * V, got.begin() + (i + 1) * V);
       const std::vector<float> w(want.begin() + i * V, want.begin() + (i + 1) * V);
@@ -176,7 +184,7 @@ TEST(CudaRanks, TensorParallelSlicedExpertsWithinNoiseFloor) {
 TEST(CudaRanks, TensorAndExpertParallelWithinNoiseFloor) {
   for (const StepPath p : {StepPath::Stock, StepPath::Specialized}) {
     check_layout("tiny", layout(2, 1, true), 2, p, /*exact=*/false);
-    check_layout("tiny", layout(4, 1, true), 1, p, /*exact=*/false);
+    check_layout("tiny", layout(4, 1, true), 3, p, /*exact=*/false);
   }
   check_layout("tiny-k3.1", layout(2, 1, true), 2, StepPath::Specialized, /*exact=*/false);
   check_layout("tiny-kimi-linear", layout(2, 1, true), 2, StepPath::Stock, /*exact=*/false);
