@@ -457,15 +457,14 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
       ratios.push_back(ms / base_ms.back());
       before = after;
     }
-    const double ms = median_ms(flip_ms), base = median_ms(base_ms);
+    const double ms = median_ms(flip_ms), base = median_ms(base_ms), ratio = median_ms(ratios);
     print(ms, base, f.what);
     if (a.flip_repeats > 1)
       std::printf("%-12s %6d %8lld   %d repeats: median %+.2f%%, range %+.2f%% .. %+.2f%%\n", "",
-                  rows, static_cast<long long>(ctx), a.flip_repeats,
-                  100.0 * (median_ms(ratios) - 1.0),
+                  rows, static_cast<long long>(ctx), a.flip_repeats, 100.0 * (ratio - 1.0),
                   100.0 * (*std::min_element(ratios.begin(), ratios.end()) - 1.0),
                   100.0 * (*std::max_element(ratios.begin(), ratios.end()) - 1.0));
-    if (median_ms(ratios) < 0.99) {
+    if (ratio < 0.99) {
       f.apply(combined);
       won += (won.empty() ? "" : " + ") + f.what;
     }
