@@ -107,7 +107,11 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
                       __nv_bfloat16* __restrict__ out, int heads, int kernel,
                       KdaDecodeStrides ld,  // strides resolved (all non-zero)
                       KdaSnapshots snap) {
-  K3_PDL_ENTRY();
+  // The recurrent state is written by no earlier kernel of the step (only by this layer's
+  // kernel of the previous step, and by slot resets and snapshot restores: copies ordered before
+  // the step's graph), and slot_of_row and snap.enabled are the step's input copies: the state
+  // is read before the wait, so its bytes stream while the projection before it drains.
+  detail::pdl_launch_dependents();
   using C = Cfg<D>;
   constexpr int B = kTokenBlock, kColWarps = D / 32;
   const int h = blockIdx.x, first = blockIdx.y, tid = threadIdx.x;
@@ -139,6 +143,7 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
   float s[C::kRpt];
 #pragma unroll
   for (int r = 0; r < C::kRpt; ++r) s[r] = load_state(S + (i0 + r) * D + j);
+  detail::pdl_wait();  // u, f, beta_logit, z: the projection's outputs
 
   // Tokens in blocks of B: what does not depend on the state (conv, norms, gates, the gated norm)
   // runs for the whole block at once; only the recurrence itself goes token by token.
