@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <set>
@@ -275,7 +276,10 @@ LinearPlan planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const 
   }
   if (cap == cudaStreamCaptureStatusNone) {
     std::lock_guard<std::mutex> lock(mu);
-    tuned.emplace(key, t);
+    if (tuned.emplace(key, t).second && log_plans())
+      std::fprintf(stderr, "k3 plan: m %d n %lld k %lld groups %d active %d: %s\n", plan_m,
+                   static_cast<long long>(a.n), static_cast<long long>(a.k), groups, active,
+                   t.best.str().c_str());
   }
   return t.for_launch(a);
 }

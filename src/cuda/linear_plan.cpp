@@ -377,6 +377,11 @@ std::atomic<bool>& gemv_deep_flag() {
 }
 }  // namespace
 
+bool log_plans() {
+  static const bool on = env_switch("K3_LOG_PLANS", false);
+  return on;
+}
+
 bool gemv_deep_prefetch() {
   return gemv_deep_flag().load();
 }

@@ -151,6 +151,9 @@ void set_mxfp4_gemv_plans(bool on);
 // or set_gemv_deep_prefetch(true)). The same sums in the same order: it changes timing only.
 bool gemv_deep_prefetch();
 void set_gemv_deep_prefetch(bool on);
+// Each plan the tuner settles on is printed to stderr (K3_LOG_PLANS=1; off by default), so a
+// benchmark shows which kernel and shape every GEMM of the step runs.
+bool log_plans();
 // The plans of c that sum K in anchor's order (same wk and ck), in c's order.
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor);
 
