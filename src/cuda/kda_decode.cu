@@ -15,9 +15,6 @@
 //      serial part, two barriers per token;
 //   4. for every token of the block: o_j = scale * sum, sum of o^2, out = o * inv * w *
 //      sigmoid(z) -> bf16.
-// Before the PDL wait the CTA reads what no earlier kernel of the step writes (its state, conv
-// windows and weights); after it, one gather per block brings the block's activations (u, f, z,
-// beta) into shared memory, every load in flight at once, instead of one round trip per phase.
 // Each token's arithmetic is the same whatever the run length, so a run equals one-token steps
 // bit for bit. Bytes per (run, head): 2 * D * D * sizeof(state) for the state, plus
 // 3D * (kernel-1) * 2 * 2 for the conv window and ~(6D + 1) * 2 per token for u, f, z, beta, out.
@@ -100,21 +97,6 @@ __device__ __forceinline__ float butterfly_lane0(const float* w) {
   return v[0];
 }
 
-// Copies elements 0..n-1 from *src(i) to *dst(i), K per thread at a time with all K loads
-// issued before any store: one round trip per K * stride elements, not one per element.
-template <int K, typename T, typename Src, typename Dst>
-__device__ __forceinline__ void gather(int n, int tid, int stride, Src src, Dst dst) {
-  for (int base = tid; base < n; base += K * stride) {
-    T v[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (base + k * stride < n) v[k] = *src(base + k * stride);
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-      if (base + k * stride < n) *dst(base + k * stride) = v[k];
-  }
-}
-
 // u, f, beta_logit, z and slot_of_row: no __restrict__ (PDL: their producer may still run when
 // this kernel starts, so no ld.global.nc; see mma.cuh ld_act128).
 template <int D, typename StateT>
@@ -125,11 +107,10 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
                       __nv_bfloat16* __restrict__ out, int heads, int kernel,
                       KdaDecodeStrides ld,  // strides resolved (all non-zero)
                       KdaSnapshots snap) {
-  // The recurrent state and the conv windows are written by no earlier kernel of the step (only
-  // by this layer's kernel of the previous step, and by slot resets and snapshot restores:
-  // copies ordered before the step's graph), and slot_of_row and snap.enabled are the step's
-  // input copies: these and the weights are read before the wait, so they stream while the
-  // projection before drains, and after it one round trip fetches the block's activations.
+  // The recurrent state is written by no earlier kernel of the step (only by this layer's
+  // kernel of the previous step, and by slot resets and snapshot restores: copies ordered before
+  // the step's graph), and slot_of_row and snap.enabled are the step's input copies: the state
+  // is read before the wait, so its bytes stream while the projection before it drains.
   detail::pdl_launch_dependents();
   using C = Cfg<D>;
   constexpr int B = kTokenBlock, kColWarps = D / 32;
@@ -146,18 +127,14 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
   const int64_t slot = slot32;
   const bool keep = snap.enabled != nullptr && *snap.enabled != 0;
 
-  __shared__ float qkv[B][3][D];               // post-conv q, k, v per token (q, k then L2-normed)
-  __shared__ float alpha[B][D];                // exp(g) per token and key channel
-  __shared__ float beta[B];                    // sigmoid(b) per token
-  __shared__ float inv[B][2];                  // 1/|q|, 1/|k| per token
-  __shared__ float part[C::kGroups][D];        // per-row-group partial S^T k (one token at a time)
-  __shared__ float opart[B][C::kGroups][D];    // per-row-group partial S^T q per token
-  __shared__ float osq[B][kColWarps];          // warp sums of o^2 per token
-  __shared__ float ud[D];                      // the delta-rule update u_j
-  __shared__ float conv_w[3 * D][kMaxKernel];  // the head's conv taps per channel
-  __shared__ __nv_bfloat16 conv_win[3 * D][kMaxKernel - 1];  // windows, carried through the run
-  __shared__ float gate_bias[D], onorm[D];                   // dt_bias, o_norm of the head
-  __shared__ __nv_bfloat16 act_u[B][3 * D], act_f[B][D], act_z[B][D], act_b[B];  // the block's
+  __shared__ float qkv[B][3][D];             // post-conv q, k, v per token (q, k then L2-normed)
+  __shared__ float alpha[B][D];              // exp(g) per token and key channel
+  __shared__ float beta[B];                  // sigmoid(b) per token
+  __shared__ float inv[B][2];                // 1/|q|, 1/|k| per token
+  __shared__ float part[C::kGroups][D];      // per-row-group partial S^T k (one token at a time)
+  __shared__ float opart[B][C::kGroups][D];  // per-row-group partial S^T q per token
+  __shared__ float osq[B][kColWarps];        // warp sums of o^2 per token
+  __shared__ float ud[D];                    // the delta-rule update u_j
 
   // The owned rows of column j stay in registers for the whole run.
   const int j = tid % D, grp = tid / D, i0 = grp * C::kRpt;
@@ -166,29 +143,6 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
   float s[C::kRpt];
 #pragma unroll
   for (int r = 0; r < C::kRpt; ++r) s[r] = load_state(S + (i0 + r) * D + j);
-  // Channel e of the conv (stream e / D, head channel e % D); channel(e) indexes [3][P].
-  const auto channel = [&](int e) { return (e / D) * P + static_cast<int64_t>(h) * D + e % D; };
-  // Window entry q of channel e: [slot][3][P][kernel-1] bf16.
-  const auto window = [&](int e, int q) {
-    return conv_state + (slot * 3 * P + channel(e)) * hist + q;
-  };
-  const int n_taps = 3 * D * kernel;
-  gather<4, float>(
-      n_taps + 2 * D, tid, C::kThreads,
-      [&](int i) {
-        if (i < n_taps) return w.conv + channel(i / kernel) * kernel + i % kernel;
-        return i < n_taps + D ? w.dt_bias + static_cast<int64_t>(h) * D + (i - n_taps)
-                              : w.o_norm + (i - n_taps - D);
-      },
-      [&](int i) {
-        if (i < n_taps) return &conv_w[i / kernel][i % kernel];
-        return i < n_taps + D ? &gate_bias[i - n_taps] : &onorm[i - n_taps - D];
-      });
-  if (hist > 0)
-    gather<4, __nv_bfloat16>(
-        3 * D * hist, tid, C::kThreads, [&](int i) { return window(i / hist, i % hist); },
-        [&](int i) { return &conv_win[i / hist][i % hist]; });
-  const float a_scale = expf(w.a_log[h]);
   detail::pdl_wait();  // u, f, beta_logit, z: the projection's outputs
 
   // Tokens in blocks of B: what does not depend on the state (conv, norms, gates, the gated norm)
@@ -197,38 +151,19 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
     const int nb = min(B, run - t0);
     // Snapshot t (the state after token t) when asked for and not the run's last token.
     const auto save = [&](int t) { return keep && t + 1 < run && t < snap.count; };
-    // 0. The block's activations (u, f, z, beta of nb tokens), every load issued before any is
-    // stored: one round trip.
-    {
-      const int n_u = nb * 3 * D, n_fz = nb * D;
-      gather<2, __nv_bfloat16>(
-          n_u + 2 * n_fz + nb, tid, C::kThreads,
-          [&](int e) -> const __nv_bfloat16* {
-            if (e < n_u) return u + (first + t0 + e / (3 * D)) * ld.u + channel(e % (3 * D));
-            if (e >= n_u + 2 * n_fz)
-              return beta_logit + (first + t0 + (e - n_u - 2 * n_fz)) * ld.beta + h;
-            const int r = (e - n_u) % n_fz;
-            const int64_t c = static_cast<int64_t>(h) * D + r % D, row = first + t0 + r / D;
-            return e < n_u + n_fz ? f + row * ld.f + c : z + row * ld.z + c;
-          },
-          [&](int e) -> __nv_bfloat16* {
-            if (e < n_u) return &act_u[e / (3 * D)][e % (3 * D)];
-            if (e >= n_u + 2 * n_fz) return &act_b[e - n_u - 2 * n_fz];
-            const int r = (e - n_u) % n_fz;
-            return e < n_u + n_fz ? &act_f[r / D][r % D] : &act_z[r / D][r % D];
-          });
-      __syncthreads();
-    }
     // 1. Short conv + SiLU per channel c of stream sq (q, k, v), token by token in one thread
     // (its window carries in registers), then the window and any snapshots are stored.
     for (int e = tid; e < 3 * D; e += C::kThreads) {
       const int sq = e / D, d = e % D;
-      const int64_t ch = channel(e);  // index into [3][P]
-      const float* wc = conv_w[e];    // [kernel] fp32
+      const int64_t ch = sq * P + static_cast<int64_t>(h) * D + d;   // index into [3][P]
+      const float* wc = w.conv + ch * kernel;                        // [kernel] fp32
+      __nv_bfloat16* win = conv_state + (slot * 3 * P + ch) * hist;  // [kernel-1] bf16
       float x[kMaxKernel];
-      for (int q = 0; q < hist; ++q) x[q] = __bfloat162float(conv_win[e][q]);
+      for (int q = 0; q < hist; ++q) x[q] = __bfloat162float(win[q]);
       for (int tb = 0; tb < nb; ++tb) {
-        const float cur = __bfloat162float(act_u[tb][e]);
+        const int64_t row = first + t0 + tb;
+        const __nv_bfloat16 cur_b = u[row * ld.u + ch];
+        const float cur = __bfloat162float(cur_b);
         float acc = 0.0f;
         for (int q = 0; q < hist; ++q) acc += wc[q] * x[q];
         acc += wc[hist] * cur;
@@ -241,17 +176,20 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
         }
         qkv[tb][sq][d] = acc * sigmoid_f(acc);  // silu
       }
-      for (int q = 0; q < hist; ++q) conv_win[e][q] = __float2bfloat16_rn(x[q]);
+      for (int q = 0; q < hist; ++q) win[q] = __float2bfloat16_rn(x[q]);
     }
     // Decay gate per key channel and beta, per token.
     for (int e = tid; e < nb * D; e += C::kThreads) {
       const int tb = e / D, d = e % D;
-      const float a = __bfloat162float(act_f[tb][d]) + gate_bias[d];
+      const int64_t row = first + t0 + tb, i = static_cast<int64_t>(h) * D + d;
+      const float a = __bfloat162float(f[row * ld.f + i]) + w.dt_bias[i];
+      const float a_scale = expf(w.a_log[h]);
       const float g = isnan(w.gate_lower_bound) ? -a_scale * softplus_f(a)
                                                 : w.gate_lower_bound * sigmoid_f(a_scale * a);
       alpha[tb][d] = expf(g);
     }
-    if (tid < nb) beta[tid] = sigmoid_f(__bfloat162float(act_b[tid]));
+    if (tid < nb)
+      beta[tid] = sigmoid_f(__bfloat162float(beta_logit[(first + t0 + tid) * ld.beta + h]));
     __syncthreads();
 
     // 2. L2 norms (FLA: eps inside the root): one warp per (token, q or k).
@@ -329,15 +267,14 @@ __global__ void __launch_bounds__(Cfg<D>::kThreads) __maxnreg__(Cfg<D>::kMaxRegs
       const float ss = butterfly_lane0<kColWarps>(osq[tb]);
       const float rinv = 1.0f / sqrtf(ss / static_cast<float>(D) + w.eps);
       const int64_t row = first + t0 + tb, c = static_cast<int64_t>(h) * D + d;
-      const float y = opart[tb][0][d] * rinv * onorm[d] * sigmoid_f(__bfloat162float(act_z[tb][d]));
+      const float y =
+          opart[tb][0][d] * rinv * w.o_norm[d] * sigmoid_f(__bfloat162float(z[row * ld.z + c]));
       out[row * P + c] = __float2bfloat16_rn(y);
     }
     __syncthreads();  // the block's shared arrays are rewritten by the next one
   }
 #pragma unroll
   for (int r = 0; r < C::kRpt; ++r) store_state(S + (i0 + r) * D + j, s[r]);
-  for (int i = tid; i < 3 * D * hist; i += C::kThreads)
-    *window(i / hist, i % hist) = conv_win[i / hist][i % hist];
 }
 
 template <typename StateT>
