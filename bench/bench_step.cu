@@ -52,7 +52,6 @@
 #include "cuda/backbone.h"
 #include "cuda/check.h"
 #include "cuda/device_buffer.h"
-#include "cuda/linear_plan.h"
 #include "model/loaded_model.h"
 #include "synth/presets.h"
 #include "synth/synthesize.h"
@@ -381,9 +380,7 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
   struct Flip {
     std::string what;
     std::function<void(Tuning&)> apply;
-    bool deep_gemv = false;  // flips the process-wide GEMV ring depth instead (both paths)
   };
-  const bool def_deep = cuda::gemv_deep_prefetch();
   const auto named = [](bool on, const char* off_text, const char* on_text) {
     return std::string(on ? off_text : on_text);
   };
@@ -432,12 +429,8 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
       {named(def.router_merge_tree, "router top-k by the radix select",
              "router top-k by the warp merge tree"),
        [&](Tuning& t) { t.router_merge_tree = !def.router_merge_tree; }},
-      {named(def_deep, "one-row GEMV ring of 2 rows per warp",
-             "one-row GEMV ring of 4-8 rows per warp"),
-       [](Tuning&) {}, true},
   };
-  const auto timed = [&](const Tuning& t, bool deep) {
-    cuda::set_gemv_deep_prefetch(deep);
+  const auto timed = [&](const Tuning& t) {
     bb.set_specialized_tuning(t);
     rewind(bb, rows, ctx);
     return time_step(bb, slots, toks, cuda::StepPath::Specialized, a.replays, flush);
@@ -449,9 +442,8 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
   };
 
   Tuning combined = def;
-  bool combined_deep = def_deep;
   std::string won;
-  double before = timed(def, def_deep);
+  double before = timed(def);
   for (const Flip& f : flips) {
     if (f.what.find(a.flips_matching) == std::string::npos) continue;
     Tuning t = def;
@@ -459,7 +451,7 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
     // Repeats: the flip's ratio to the defaults around it, per repeat; the median judges it.
     std::vector<double> flip_ms, base_ms, ratios;
     for (int r = 0; r < a.flip_repeats; ++r) {
-      const double ms = timed(t, f.deep_gemv ? !def_deep : def_deep), after = timed(def, def_deep);
+      const double ms = timed(t), after = timed(def);
       flip_ms.push_back(ms);
       base_ms.push_back(0.5 * (before + after));
       ratios.push_back(ms / base_ms.back());
@@ -474,19 +466,17 @@ void time_tuning_flips(cuda::CudaBackbone& bb, const Args& a, int rows, int64_t 
                   100.0 * (*std::max_element(ratios.begin(), ratios.end()) - 1.0));
     if (ratio < 0.99) {
       f.apply(combined);
-      if (f.deep_gemv) combined_deep = !def_deep;
       won += (won.empty() ? "" : " + ") + f.what;
     }
   }
   if (!won.empty()) {
     std::vector<double> d = {before}, c;
     for (int i = 0; i < 2; ++i) {
-      c.push_back(timed(combined, combined_deep));
-      d.push_back(timed(def, def_deep));
+      c.push_back(timed(combined));
+      d.push_back(timed(def));
     }
     print(median_ms(c), median_ms(d), "combined: " + won);
   }
-  cuda::set_gemv_deep_prefetch(def_deep);
   bb.set_specialized_tuning(def);
   rewind(bb, rows, ctx);
   std::printf("%-12s %6d %8lld %10.3f   (defaults recaptured after the flips)\n", "spec-again",
