@@ -104,7 +104,9 @@ __device__ __forceinline__ void stage_combined_x(const SkinnyArgs& a, int mx,
 }
 
 // P: rows of W in flight per warp (a ring of P rows in registers), all P requested before the
-// wait; each row's dot is the same whatever P, so P changes the timing only.
+// wait; each row's dot is the same whatever P, so P changes the timing only. 2: rings of 4-8
+// rows for up to 4 units per lane measured 10.6% slower over the batch-1 step (bench/RESULTS.md,
+// eighteenth stop).
 template <int M, int J, bool kCombine, int P = 2>
 __global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_bf16_kernel(const __grid_constant__ SkinnyArgs a, int ks, int rpw) {
@@ -192,23 +194,6 @@ __global__ void __launch_bounds__(32 * kGemvWarps)
 
 using GemvKernel = void (*)(SkinnyArgs, int, int);
 
-// The deep-prefetch instances (gemv_deep_prefetch): one row, plain x, rows of up to 4 units per
-// lane, with 16 weight units per lane in flight (P = 8 rows of 1-2 units, 4 of 3-4).
-GemvKernel gemv_deep_kernel(int j) {
-  switch (j) {
-    case 1:
-      return gemv_bf16_kernel<1, 1, false, 8>;
-    case 2:
-      return gemv_bf16_kernel<1, 2, false, 8>;
-    case 3:
-      return gemv_bf16_kernel<1, 3, false, 4>;
-    case 4:
-      return gemv_bf16_kernel<1, 4, false, 4>;
-    default:
-      return nullptr;
-  }
-}
-
 template <int M, bool kCombine>
 GemvKernel gemv_kernel_for_units(int j) {
   switch (j) {
@@ -268,13 +253,7 @@ cudaError_t launch_gemv_bf16(const LinearPlan& p, const SkinnyArgs& args, cudaSt
     a.x_bytes = gemv_rows_instance(p.m) * a.k * static_cast<int>(sizeof(__nv_bfloat16));
   }
   const int j = gemv_units_per_lane(p.k, p.gemv_ks);
-  const GemvKernel deep =
-      gemv_deep_prefetch() && !combine && gemv_rows_instance(p.m) == 1 && p.gemv_rpw > 2
-          ? gemv_deep_kernel(j)
-          : nullptr;
-  const GemvKernel fn = deep      ? deep
-                        : combine ? gemv_kernel_for<true>(p.m, j)
-                                  : gemv_kernel_for<false>(p.m, j);
+  const GemvKernel fn = combine ? gemv_kernel_for<true>(p.m, j) : gemv_kernel_for<false>(p.m, j);
   if (combine) allow_max_smem(reinterpret_cast<const void*>(fn));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(p.grid_x()));

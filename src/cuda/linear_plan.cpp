@@ -371,22 +371,11 @@ std::atomic<bool>& mxfp4_gemv_flag() {
   static std::atomic<bool> on{env_switch("K3_MXFP4_GEMV", true)};
   return on;
 }
-std::atomic<bool>& gemv_deep_flag() {
-  static std::atomic<bool> on{env_switch("K3_GEMV_DEEP", false)};
-  return on;
-}
 }  // namespace
 
 bool log_plans() {
   static const bool on = env_switch("K3_LOG_PLANS", false);
   return on;
-}
-
-bool gemv_deep_prefetch() {
-  return gemv_deep_flag().load();
-}
-void set_gemv_deep_prefetch(bool on) {
-  gemv_deep_flag().store(on);
 }
 
 bool batch_invariant() {

@@ -146,11 +146,6 @@ void set_cublas_plans(bool on);
 // thirteenth stop).
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
-// One-row bf16 GEMVs of more than 2 rows per warp keep 16 weight units per lane in flight (4 or
-// 8 rows, all requested before the PDL wait) instead of 2 rows (off by default; K3_GEMV_DEEP=1
-// or set_gemv_deep_prefetch(true)). The same sums in the same order: it changes timing only.
-bool gemv_deep_prefetch();
-void set_gemv_deep_prefetch(bool on);
 // Each plan the tuner settles on is printed to stderr (K3_LOG_PLANS=1; off by default), so a
 // benchmark shows which kernel and shape every GEMM of the step runs.
 bool log_plans();

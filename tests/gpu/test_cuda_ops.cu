@@ -287,39 +287,6 @@ TEST(CudaLinearBf16, EveryGemvPlan) {
   EXPECT_EQ(cuda::to_host<uint16_t>(y1), cuda::to_host<uint16_t>(y2));
 }
 
-// The deep-prefetch GEMV (4 or 8 rows per warp in flight) sums exactly as the two-row ring: every
-// one-row GEMV plan that takes it (more than 2 rows per warp, up to 4 units per lane) gives the
-// same bits with it on as off, and stays within the oracle's tolerance.
-TEST(CudaLinearBf16, DeepPrefetchGemvIsBitIdentical) {
-  const uint64_t seed = test::test_seed();
-  SCOPED_TRACE(test::seed_trace(seed));
-  Rng rng(seed);
-  struct DeepScope {
-    bool was = cuda::gemv_deep_prefetch();
-    ~DeepScope() { cuda::set_gemv_deep_prefetch(was); }
-  } restore;
-  const int64_t shapes[][2] = {{7168, 768}, {768, 7168}, {3584, 7168}, {257, 1000}, {130, 4104}};
-  int deep_plans = 0;
-  for (const auto& s : shapes) {
-    const int64_t N = s[0], K = s[1];
-    const Bf16Data x = make_bf16(rng, static_cast<size_t>(K), 1.0f);
-    const Bf16Weight w = make_bf16_weight(rng, N, K);
-    for (const auto& p : cuda::linear_bf16_candidates(1, N, K)) {
-      if (!p.gemv() || p.gemv_rpw <= 2 || cuda::gemv_units_per_lane(K, p.gemv_ks) > 4) continue;
-      ++deep_plans;
-      DeviceBuffer<bf16> y_ring(static_cast<size_t>(N)), y_deep(static_cast<size_t>(N));
-      cuda::set_gemv_deep_prefetch(false);
-      cuda::linear_bf16(p, x.dev.data(), K, w.d.dev.data(), 1, y_ring.data(), N, false, nullptr);
-      cuda::set_gemv_deep_prefetch(true);
-      cuda::linear_bf16(p, x.dev.data(), K, w.d.dev.data(), 1, y_deep.data(), N, false, nullptr);
-      EXPECT_EQ(cuda::to_host<uint16_t>(y_ring), cuda::to_host<uint16_t>(y_deep))
-          << N << "x" << K << " " << p.str();
-      check_bf16_linear(rng, 1, N, K, deep_plans % 2 == 0, &p);
-    }
-  }
-  EXPECT_GE(deep_plans, 8);
-}
-
 // Under batch invariance no GEMV plan is offered (it sums K in another order than the tilings
 // of more rows).
 TEST(CudaLinearBf16, NoGemvUnderBatchInvariance) {
