@@ -70,8 +70,10 @@ fi
 step_rc=0
 if [ -x "$bin_dir/k3_bench_step" ] && [ -z "${K3_SKIP_STEP:-}" ]; then
   echo "== k3_bench_step ${K3_STEP_ARGS:-}" | tee -a "$log"
+  # The tuned plan of every GEMM goes into the log too (K3_LOG_PLANS).
   # shellcheck disable=SC2086
-  "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 | tee "$out_dir/bench_step.log" | tee -a "$log" >/dev/null
+  K3_LOG_PLANS=1 "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} 2>&1 | tee "$out_dir/bench_step.log" |
+    tee -a "$log" >/dev/null
   step_rc=${PIPESTATUS[0]}
   for variant in ${K3_STEP_VARIANTS:-}; do
     echo "== $variant k3_bench_step ${K3_STEP_ARGS:-} --no-flips" | tee -a "$log"
