@@ -132,10 +132,10 @@ fi
   if [ -f "$out_dir/bench_step.log" ]; then
     echo "k3_bench_step: rc $step_rc (full output: $out_dir/bench_step.log)"
     grep -E '^k3_bench_step' "$out_dir/bench_step.log" | head -2
-    awk '/^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step.log"
+    awk '/^k3 plan:/{next} /^kernel +batch/{p=1} /^=+ summary/{p=1} p' "$out_dir/bench_step.log"
     # The paths launch the same kernels: their rank logits (rel L2) and each path's rerun
     # (replay) must agree bit for bit. Rows without a stock timing have no comparison.
-    awk '/^ *batch +context/{p=1; next} /^$/{p=0} p && NF >= 10 && $3 != "0.000" {
+    awk '/^k3 plan:/{next} /^ *batch +context/{p=1; next} /^$/{p=0} p && NF >= 10 && $3 != "0.000" {
            n++; if ($8 != "0.00e+00" || $9 != "0.00e+00") bad++ }
          END { if (n) printf "rank paths bit-identical (rel L2 and replay 0): %s (%d of %d rows)\n",
                              bad ? "NO" : "yes", n - bad, n }' "$out_dir/bench_step.log"
