@@ -103,14 +103,14 @@ __device__ __forceinline__ void stage_combined_x(const SkinnyArgs& a, int mx,
   }
 }
 
-// P: rows of W in flight per warp (a ring of P rows in registers), all P requested before the
-// wait; each row's dot is the same whatever P, so P changes the timing only. 2: rings of 4-8
-// rows for up to 4 units per lane measured 10.6% slower over the batch-1 step (bench/RESULTS.md,
-// eighteenth stop).
-template <int M, int J, bool kCombine, int P = 2>
+template <int M, int J, bool kCombine>
 __global__ void __launch_bounds__(32 * kGemvWarps)
     gemv_bf16_kernel(const __grid_constant__ SkinnyArgs a, int ks, int rpw) {
-  static_assert(P >= 2);
+  // P: rows of W in flight per warp (a ring of P rows in registers), all P requested before the
+  // wait; each row's dot is the same whatever P, so P changes the timing only. Rings of 4-8 rows
+  // for up to 4 units per lane measured 10.6% slower over the batch-1 step (bench/RESULTS.md,
+  // eighteenth stop).
+  constexpr int P = 2;
   pdl_launch_dependents();
   extern __shared__ __align__(16) uint8_t gemv_smem[];
   // [mx][k] bf16 combined x (kCombine; x_bytes), then [rows_cta][ks][M] fp32 partial dots.
