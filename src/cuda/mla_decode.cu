@@ -1,11 +1,20 @@
-// Absorbed MLA decode, CUDA cores, fp32 math. Kernel 1 (split): one CTA per (split, head
-// group, row) streams its token range through shared memory in tiles of 32 cache rows (16-B
-// cp.async copies through the page table, the next tile in flight while the current one is
-// used), scores all heads of the group against each row (one warp per token), updates a
-// per-head online softmax and accumulates p x c (one thread per 8 latent columns x up to 4
-// heads). Kernel 2 (combine): merges the row's active splits (derived from its length, like the
-// split kernel's ranges) of each (row, head) in split order, so the result does not depend on
+// Absorbed MLA decode on tensor cores (bf16 mma.sync, fp32 accumulators). Kernel 1 (split):
+// one CTA per (split, head group, row) streams its token range through shared memory in tiles of
+// 32 cache rows (16-B cp.async copies through the page table, the next tile in flight while the
+// current one is used). Per tile, with the group's heads as the mma's 16 rows:
+//   scores S[16 x 32] = Q[16 x 576] C^T: 8 warps = 4 token columns of 8 x 2 halves of the 576;
+//   online softmax per head (one warp per head, lane = token);
+//   O[16 x 512] = a O + P C[:, :512]: each warp 64 latent columns. P goes to the mma as two bf16
+//   terms (hi = bf16(p), lo = bf16(p - hi)), so its rounding is ~2^-17 of p, as near fp32 as the
+//   CUDA-core kernel this replaces (its tests' tolerances hold unchanged).
+// Kernel 2 (combine): merges the row's active splits (derived from its length, like the split
+// kernel's ranges) of each (row, head) in split order, so the result does not depend on
 // scheduling.
+//
+// Why tensor cores: at 6 heads a cached token (1152 B) costs 6 x (576 + 512) FMAs, ~5.7 per
+// byte, ~24 T FMA/s at the 4.3 TB/s floor: more than the SMs' fp32 pipes sustain beside the
+// bf16 unpacking and shared-memory traffic (the CUDA-core kernel reached 4-12% of the read
+// curve at 32k). On the mma the arithmetic is a few percent of the tile's time.
 //
 // Every global access of the split kernel is issued in batches (unrolled fixed-count loops), so a
 // tile costs one page-table round trip and one copy round trip, overlapped with the previous
@@ -28,35 +37,36 @@ namespace {
 using detail::cp_async16;
 using detail::cp_async_commit;
 using detail::cp_async_wait;
+using detail::ldmatrix_x4;
+using detail::ldmatrix_x4_trans;
+using detail::mma_bf16_16816;
 
 constexpr int kKvLora = 512;
 constexpr int kRope = 64;
 constexpr int kD = kKvLora + kRope;  // 576 values per cached token
 constexpr int kChunks = kD / 8;      // 72 16-byte chunks per cache row
 constexpr int kTile = 32;            // cache rows per shared-memory tile
-constexpr int kMaxHeads = 16;        // heads per CTA (register budget of the score warp)
+constexpr int kMaxHeads = 16;        // heads per CTA: the mma's 16 rows
 constexpr int kThreads = 256;
-constexpr int kColGroups = kKvLora / 8;                  // 64 threads span the latent columns
-constexpr int kHeadSets = kThreads / kColGroups;         // 4 head subsets in the PV step
-constexpr int kHeadsPerThread = kMaxHeads / kHeadSets;   // 4
+constexpr int kWarps = kThreads / 32;
+// Shared rows padded by 16 B: a row is then 292 words, 4 banks on from the one before, so the 8
+// rows an ldmatrix phase reads fall in distinct banks.
+constexpr int kStride = kD + 8;
+constexpr int kPStride = kTile + 8;                      // P rows: 20 words, likewise conflict-free
+constexpr int kScoreWarpsN = kTile / 8;                  // 4 warps along the tile's tokens
+constexpr int kScoreHalves = kWarps / kScoreWarpsN;      // 2 along the 576
+constexpr int kScoreKSteps = kD / 16 / kScoreHalves;     // 18 k-steps of 16 per warp
+constexpr int kPvTiles = kKvLora / kWarps / 8;           // 8 n-tiles of 8 latent columns per warp
 constexpr int kTileCopies = kTile * kChunks / kThreads;  // 16-byte copies per thread per tile
 static_assert(kTile * kChunks % kThreads == 0, "a tile is whole rounds of copies");
+static_assert(kScoreKSteps % 2 == 0 && kPvTiles % 2 == 0, "k-steps and n-tiles go in pairs");
 constexpr int kQCopies = (kMaxHeads * kChunks + kThreads - 1) / kThreads;  // q: 16 B per copy
 
-// Shared memory of a CTA with hpg heads: q (bf16), two cache tiles, scores, softmax state.
-constexpr size_t split_smem_bytes(int hpg) {
-  return sizeof(__nv_bfloat16) * hpg * kD + 2 * sizeof(__nv_bfloat16) * kTile * kD +
-         sizeof(float) * kMaxHeads * kTile + sizeof(float) * kMaxHeads * 3;
-}
-
-__device__ __forceinline__ void bf16x8_to_f32(const uint4 u, float (&v)[8]) {
-  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(w[i] << 16);
-    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-}
+// Shared memory of a CTA: q (bf16, zero past the group's heads), two cache tiles, the two score
+// halves, P as hi and lo bf16, softmax state. ~98 KB: two CTAs per SM.
+constexpr size_t kSplitSmemBytes =
+    sizeof(__nv_bfloat16) * (kMaxHeads * kStride + 2 * kTile * kStride + 2 * kMaxHeads * kPStride) +
+    sizeof(float) * (kScoreHalves * kMaxHeads * kTile + 3 * kMaxHeads);
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -82,7 +92,7 @@ __device__ __forceinline__ int split_tokens(int n, int splits) {
 // Queries, the cache, page tables, lengths, selections and the split partials: no __restrict__
 // (PDL: their producer may still run when a kernel starts, so no ld.global.nc; see mma.cuh
 // ld_act128).
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 2)
     mla_split_kernel(const __nv_bfloat16* q_abs, const __nv_bfloat16* q_pe,
                      const __nv_bfloat16* cache, const int32_t* block_table, const int32_t* seq_len,
                      const int32_t* selected, const int32_t* n_selected, int heads, int hpg,
@@ -92,20 +102,20 @@ __global__ void __launch_bounds__(kThreads)
   // q_abs [rows][heads][512] bf16; q_pe [rows][heads][64] bf16; cache [pages][page_size][576];
   // ws_acc [rows][heads][splits][512] fp32 (unnormalised sum p c); ws_ml [rows][heads][splits][2]
   extern __shared__ __align__(16) unsigned char smem[];
-  // q stays bf16 here (each lane's 16-byte chunk reads are contiguous across the warp: fp32 q at
-  // a 32-byte lane stride made every score-step load an 8-way bank conflict) and is widened
-  // exactly where it is used.
-  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);    // [hpg][kD]
-  __nv_bfloat16* tiles = qs + hpg * kD;                          // [2][kTile][kD]
-  float* ps = reinterpret_cast<float*>(tiles + 2 * kTile * kD);  // [kMaxHeads][kTile]
-  float* m_s = ps + kMaxHeads * kTile;                           // [kMaxHeads] running max
-  float* l_s = m_s + kMaxHeads;                                  // [kMaxHeads] running sum
-  float* a_s = l_s + kMaxHeads;                                  // [kMaxHeads] rescale this tile
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);         // [kMaxHeads][kStride]
+  __nv_bfloat16* tiles = qs + kMaxHeads * kStride;                    // [2][kTile][kStride]
+  __nv_bfloat16* p_hi = tiles + 2 * kTile * kStride;                  // [kMaxHeads][kPStride]
+  __nv_bfloat16* p_lo = p_hi + kMaxHeads * kPStride;                  // [kMaxHeads][kPStride]
+  float* sp = reinterpret_cast<float*>(p_lo + kMaxHeads * kPStride);  // [2][kMaxHeads][kTile]
+  float* m_s = sp + kScoreHalves * kMaxHeads * kTile;                 // [kMaxHeads] running max
+  float* l_s = m_s + kMaxHeads;                                       // [kMaxHeads] running sum
+  float* a_s = l_s + kMaxHeads;  // [kMaxHeads] rescale this tile
 
   const int split = blockIdx.x, splits = gridDim.x;
   const int h0 = blockIdx.y * hpg, row = blockIdx.z;
   const int hg = min(hpg, heads - h0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c4 = lane & 3;  // mma fragment row and column pair
   const int32_t* sel = selected ? selected + static_cast<int64_t>(row) * max_sel : nullptr;
   const int n = max(0, sel ? n_selected[row] : seq_len[row]);
   const int32_t* bt = block_table + static_cast<int64_t>(row) * max_pages;
@@ -114,7 +124,8 @@ __global__ void __launch_bounds__(kThreads)
   if (beg >= end) return;  // beyond the row's active splits: the combine never reads it
 
   // Tile loads: the rows' page-table entries (and sparse selections) of a tile in one batch,
-  // then its 16-byte copies, one commit group per tile.
+  // then its 16-byte copies, one commit group per tile. Rows past the range are zero-filled, so
+  // they add nothing to P C.
   const auto issue_tile = [&](__nv_bfloat16* dst, int t0) {
     const int nt = min(kTile, end - t0);
 #pragma unroll
@@ -125,13 +136,14 @@ __global__ void __launch_bounds__(kThreads)
       const int pos = ok ? (sel ? sel[t0 + r] : t0 + r) : 0;
       const int64_t page = ok ? bt[pos / page_size] : 0;
       const __nv_bfloat16* src = cache + (page * page_size + pos % page_size) * kD + c * 8;
-      cp_async16(dst + r * kD + c * 8, ok ? src : cache, ok);  // zero-filled past nt
+      cp_async16(dst + r * kStride + c * 8, ok ? src : cache, ok);
     }
     cp_async_commit();
   };
   issue_tile(tiles, beg);
 
-  // q of the group's heads: every 16-byte load first, then the stores.
+  // q of the group's heads, zero in the rows past them (their mma rows are never stored, but
+  // must stay finite for hygiene): every 16-byte load first, then the stores.
   uint4 qv[kQCopies];
 #pragma unroll
   for (int j = 0; j < kQCopies; ++j) {
@@ -148,60 +160,64 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < kQCopies; ++j) {
     const int i = tid + j * kThreads;
     const int h = i / kChunks, c = i % kChunks;
-    if (h < hg) *reinterpret_cast<uint4*>(qs + h * kD + c * 8) = qv[j];
+    if (h < kMaxHeads) *reinterpret_cast<uint4*>(qs + h * kStride + c * 8) = qv[j];
+  }
+  for (int i = tid; i < kMaxHeads * kPStride; i += kThreads) {  // P rows past hg stay 0
+    p_hi[i] = __float2bfloat16_rn(0.0f);
+    p_lo[i] = __float2bfloat16_rn(0.0f);
   }
   if (tid < kMaxHeads) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
+    a_s[tid] = 0.0f;
   }
-  const int cg = tid % kColGroups, hs = tid / kColGroups;
-  float acc[kHeadsPerThread][8] = {};
+  float acc[kPvTiles][4] = {};  // O rows g and g + 8, this warp's latent columns
 
   int buf = 0;
   for (int t0 = beg; t0 < end; t0 += kTile, buf ^= 1) {
     const int nt = min(kTile, end - t0);
-    const __nv_bfloat16* tile = tiles + buf * kTile * kD;
+    const __nv_bfloat16* tile = tiles + buf * kTile * kStride;
     // 1. The next tile's copies go out (into the buffer the previous iteration finished with),
     // then this tile's have landed.
     if (t0 + kTile < end)
-      issue_tile(tiles + (buf ^ 1) * kTile * kD, t0 + kTile);
+      issue_tile(tiles + (buf ^ 1) * kTile * kStride, t0 + kTile);
     else
       cp_async_commit();  // an empty group keeps the wait count uniform
     cp_async_wait<1>();
     __syncthreads();
-    // 2. Scores: one warp per token; the lane's 8-column chunks are reused for all heads.
-    for (int t = warp; t < kTile; t += kThreads / 32) {
-      float part[kMaxHeads] = {};
-      for (int c = lane; c < kChunks; c += 32) {
-        float v[8];
-        bf16x8_to_f32(*reinterpret_cast<const uint4*>(tile + t * kD + c * 8), v);
+    // 2. Scores: warp -> 8 tokens (n0) x one half of the 576 (A = q rows, B = cache rows).
+    {
+      const int n0 = (warp % kScoreWarpsN) * 8, half = warp / kScoreWarpsN;
+      const int kb = half * kScoreKSteps * 16;
+      const __nv_bfloat16* a_row = qs + (lane & 15) * kStride + kb + (lane >> 4) * 8;
+      const __nv_bfloat16* b_row = tile + (n0 + (lane & 7)) * kStride + kb + (lane >> 3) * 8;
+      float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int h = 0; h < kMaxHeads; ++h) {
-          if (h >= hg) break;
-          float qf[8];
-          bf16x8_to_f32(*reinterpret_cast<const uint4*>(qs + h * kD + c * 8), qf);
-          part[h] += qf[0] * v[0] + qf[1] * v[1] + qf[2] * v[2] + qf[3] * v[3] + qf[4] * v[4] +
-                     qf[5] * v[5] + qf[6] * v[6] + qf[7] * v[7];
-        }
+      for (int ks = 0; ks < kScoreKSteps; ks += 2) {
+        uint32_t a0[4], a1[4], b[4];  // b: (b0, b1) of k-step ks, then of ks + 1
+        ldmatrix_x4(a0, a_row + ks * 16);
+        ldmatrix_x4(a1, a_row + ks * 16 + 16);
+        ldmatrix_x4(b, b_row + ks * 16);
+        mma_bf16_16816(d, a0[0], a0[1], a0[2], a0[3], b[0], b[1]);
+        mma_bf16_16816(d, a1[0], a1[1], a1[2], a1[3], b[2], b[3]);
       }
-#pragma unroll
-      for (int h = 0; h < kMaxHeads; ++h) {
-        if (h >= hg) break;
-        const float s = warp_sum(part[h]);
-        if (lane == 0) ps[h * kTile + t] = t < nt ? s * scale : -INFINITY;
-      }
+      float* out = sp + half * kMaxHeads * kTile;
+      *reinterpret_cast<float2*>(out + g * kTile + n0 + 2 * c4) = make_float2(d[0], d[1]);
+      *reinterpret_cast<float2*>(out + (g + 8) * kTile + n0 + 2 * c4) = make_float2(d[2], d[3]);
     }
     __syncthreads();
-    // 3. Online softmax: one warp per head, lane = token of the tile.
-    for (int h = warp; h < hg; h += kThreads / 32) {
-      const float s = ps[h * kTile + lane];
+    // 3. Online softmax: one warp per head, lane = token of the tile; the halves add in order.
+    for (int h = warp; h < hg; h += kWarps) {
+      const float raw = sp[h * kTile + lane] + sp[(kMaxHeads + h) * kTile + lane];
+      const float s = lane < nt ? raw * scale : -INFINITY;
       const float mo = m_s[h], mn = fmaxf(mo, warp_max(s));
       // mn is finite here: every tile holds at least one valid token.
       const float p = s == -INFINITY ? 0.0f : expf(s - mn);
       const float a = mo == -INFINITY ? 0.0f : expf(mo - mn);
       const float sum = warp_sum(p);
-      ps[h * kTile + lane] = p;
-      __syncwarp();
+      const __nv_bfloat16 hi = __float2bfloat16_rn(p);
+      p_hi[h * kPStride + lane] = hi;
+      p_lo[h * kPStride + lane] = __float2bfloat16_rn(p - __bfloat162float(hi));
       if (lane == 0) {
         l_s[h] = l_s[h] * a + sum;
         m_s[h] = mn;
@@ -209,40 +225,53 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     __syncthreads();
-    // 4. acc = alpha acc + sum_t p_t c_t over 8 columns x up to 4 heads per thread.
+    // 4. O = a O + (P_hi + P_lo) V over this warp's 64 latent columns (B = cache rows, .trans).
+    {
+      const float a_g = a_s[g], a_g8 = a_s[g + 8];
 #pragma unroll
-    for (int k = 0; k < kHeadsPerThread; ++k) {
-      const int h = hs + k * kHeadSets;
-      const float a = h < hg ? a_s[h] : 0.0f;
+      for (int j = 0; j < kPvTiles; ++j) {
+        acc[j][0] *= a_g;
+        acc[j][1] *= a_g;
+        acc[j][2] *= a_g8;
+        acc[j][3] *= a_g8;
+      }
+      const int col0 = warp * kPvTiles * 8, mi = lane >> 3;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) acc[k][j] *= a;
-    }
-    for (int t = 0; t < nt; ++t) {
-      float v[8];
-      bf16x8_to_f32(*reinterpret_cast<const uint4*>(tile + t * kD + cg * 8), v);
+      for (int kt = 0; kt < kTile; kt += 16) {
+        uint32_t ph[4], pl[4];
+        ldmatrix_x4(ph, p_hi + (lane & 15) * kPStride + kt + (lane >> 4) * 8);
+        ldmatrix_x4(pl, p_lo + (lane & 15) * kPStride + kt + (lane >> 4) * 8);
+        // Matrix mi: tokens kt + 8 (mi & 1) .., columns + 8 (mi >> 1): (b0, b1) of n-tiles j, j
+        // + 1.
+        const __nv_bfloat16* v_row =
+            tile + (kt + (lane & 7) + (mi & 1) * 8) * kStride + col0 + (mi >> 1) * 8;
 #pragma unroll
-      for (int k = 0; k < kHeadsPerThread; ++k) {
-        const int h = hs + k * kHeadSets;
-        if (h >= hg) break;
-        const float p = ps[h * kTile + t];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[k][j] += p * v[j];
+        for (int j = 0; j < kPvTiles; j += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_row + j * 8);
+          mma_bf16_16816(acc[j], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
+          mma_bf16_16816(acc[j], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
+          mma_bf16_16816(acc[j + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
+          mma_bf16_16816(acc[j + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+        }
       }
     }
-    __syncthreads();  // the next tile overwrites tile and ps
+    __syncthreads();  // the next tile overwrites tile, sp and P
   }
 
+  const int col0 = warp * kPvTiles * 8 + 2 * c4;
+  const int64_t slot0 = static_cast<int64_t>(row) * heads + h0;  // (row, first head of the group)
 #pragma unroll
-  for (int k = 0; k < kHeadsPerThread; ++k) {
-    const int h = hs + k * kHeadSets;
-    if (h >= hg) break;
-    const int64_t slot = (static_cast<int64_t>(row) * heads + h0 + h) * splits + split;
-    float4* dst = reinterpret_cast<float4*>(ws_acc + slot * kKvLora + cg * 8);
-    dst[0] = make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
-    dst[1] = make_float4(acc[k][4], acc[k][5], acc[k][6], acc[k][7]);
+  for (int j = 0; j < kPvTiles; ++j) {
+    if (g < hg)
+      *reinterpret_cast<float2*>(ws_acc + ((slot0 + g) * splits + split) * kKvLora + col0 + j * 8) =
+          make_float2(acc[j][0], acc[j][1]);
+    if (g + 8 < hg)
+      *reinterpret_cast<float2*>(ws_acc + ((slot0 + g + 8) * splits + split) * kKvLora + col0 +
+                                 j * 8) = make_float2(acc[j][2], acc[j][3]);
   }
   if (tid < hg) {
-    const int64_t slot = (static_cast<int64_t>(row) * heads + h0 + tid) * splits + split;
+    const int64_t slot = (slot0 + tid) * splits + split;
     ws_ml[slot * 2] = m_s[tid];
     ws_ml[slot * 2 + 1] = l_s[tid];
   }
@@ -335,7 +364,7 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   }
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
-  // Aim at two CTAs per SM (what fits at <= 94 KB of shared memory) for the longest context the
+  // Aim at two CTAs per SM (what fits in kSplitSmemBytes each) for the longest context the
   // grid must serve; on the device each split takes at least kMinSplit tokens, so a short context
   // uses fewer splits. At batch 1 the step is latency-bound: many short splits win although each
   // writes heads_per_group x 2 KB of fp32 partials (L2-resident, read back by the combine).
@@ -374,9 +403,9 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
   float* ws_acc = static_cast<float*>(workspace);
   float* ws_ml = ws_acc + static_cast<size_t>(p.rows) * p.heads * p.splits * kKvLora;
   // Above the 48 KB default: an attribute, not a stream operation, so legal while capturing.
-  const size_t smem = split_smem_bytes(p.heads_per_group);
+  const size_t smem = kSplitSmemBytes;
   K3_CUDA_CHECK(cudaFuncSetAttribute(mla_split_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(split_smem_bytes(kMaxHeads))));
+                                     static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.head_groups),
                   static_cast<unsigned>(p.rows));
   mla_split_kernel<<<grid, kThreads, smem, stream>>>(

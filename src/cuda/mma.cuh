@@ -1,6 +1,7 @@
-// PTX wrappers for the skinny GEMMs: cp.async (Ampere-style, per-thread asynchronous copies to
-// shared memory, zero-filling out-of-range sources), 16-byte shared loads, and the bf16
-// mma.sync m16n8k16 with fp32 accumulators (HMMA on sm_90; wgmma needs M >= 64 rows of tokens).
+// PTX wrappers for the skinny GEMMs and the MLA decode: cp.async (Ampere-style, per-thread
+// asynchronous copies to shared memory, zero-filling out-of-range sources), 16-byte shared loads,
+// ldmatrix, and the bf16 mma.sync m16n8k16 with fp32 accumulators (HMMA on sm_90; wgmma needs
+// M >= 64 rows).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -101,6 +102,24 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
 // Word i (compile-time after unrolling) of a 16-byte vector.
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Four 8x8 b16 matrices from shared memory: lane l gives the (16-byte aligned) address of row
+// l % 8 of matrix l / 8; thread t receives of matrix i, in r[i], row t / 4, columns 2 (t % 4) and
+// 2 (t % 4) + 1 (the _trans form: column t / 4, rows 2 (t % 4) and 2 (t % 4) + 1), which is an
+// mma fragment's layout. Volatile with a memory clobber: the compiler must not move it across
+// the barriers and cp.async waits that order the shared memory it reads.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row))
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(row))
+               : "memory");
 }
 
 // D += A * B, A 16x16 bf16 (row-major fragment a0..a3), B 16x8 bf16 (b0, b1), D 16x8 fp32.
