@@ -364,12 +364,15 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   }
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
-  // Aim at two CTAs per SM (what fits in kSplitSmemBytes each) for the longest context the
-  // grid must serve; on the device each split takes at least kMinSplit tokens, so a short context
-  // uses fewer splits. At batch 1 the step is latency-bound: many short splits win although each
-  // writes heads_per_group x 2 KB of fp32 partials (L2-resident, read back by the combine).
+  // Aim at one wave of two CTAs per SM (what fits in kSplitSmemBytes each) for the longest
+  // context the grid must serve: the most splits whose CTAs all fit, since the splits are equal
+  // work and a second, partial wave would double the kernel's time (64 rows at 5 splits were 320
+  // CTAs for 264 places). On the device each split takes at least kMinSplit tokens, so a short
+  // context uses fewer splits. At batch 1 the step is latency-bound: many short splits win
+  // although each writes heads_per_group x 2 KB of fp32 partials (L2-resident, read back by the
+  // combine).
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(p.rows) * p.head_groups);
-  const int64_t want = (2 * static_cast<int64_t>(sm_count) + base - 1) / base;
+  const int64_t want = 2 * static_cast<int64_t>(sm_count) / base;
   const int64_t min_len = kMinSplit;
   const int64_t cap = std::max<int64_t>(1, (p.max_tokens + min_len - 1) / min_len);
   p.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, kMaxSplits));

@@ -1,6 +1,6 @@
 // The MLA split-KV planner (cuda/mla_decode.h) without a GPU: how the token axis is split for
-// K3's latent shape (one 32-token tile per split at least, two CTAs per SM at most), the head
-// groups, the workspace size and the generic shapes. Runs in CI (no device call).
+// K3's latent shape (one 32-token tile per split at least, one wave of two CTAs per SM at most),
+// the head groups, the workspace size and the generic shapes. Runs in CI (no device call).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -41,15 +41,17 @@ TEST(MlaPlan, ShortContextsSplitIntoSingleTiles) {
   EXPECT_EQ(k3_plan(1, 6, 5).splits, 1);
 }
 
-TEST(MlaPlan, LongContextsAimAtTwoCtasPerSm) {
+TEST(MlaPlan, LongContextsFillOneWaveOfTwoCtasPerSm) {
   for (int rows : {1, 8, 64}) {
     const auto p = k3_plan(rows, 6, 32768);
     SCOPED_TRACE(rows);
     EXPECT_LE(p.splits, tiles(32768)) << "a split of less than one tile";
-    // The fewest splits that give every row at least 2 x SMs / rows CTAs.
-    EXPECT_GE(static_cast<int64_t>(p.splits) * rows * p.head_groups, 2 * kSms);
-    EXPECT_LT(static_cast<int64_t>(p.splits - 1) * rows * p.head_groups, 2 * kSms);
+    // The most splits whose CTAs fit one wave of 2 x SMs (64 rows: 4 splits, 256 CTAs; 5 would
+    // be 320, a second wave of 56).
+    EXPECT_LE(static_cast<int64_t>(p.splits) * rows * p.head_groups, 2 * kSms);
+    EXPECT_GT(static_cast<int64_t>(p.splits + 1) * rows * p.head_groups, 2 * kSms);
   }
+  EXPECT_EQ(k3_plan(300, 6, 32768).splits, 1) << "more rows than places: one split each";
 }
 
 TEST(MlaPlan, HeadGroupsAndWorkspace) {
