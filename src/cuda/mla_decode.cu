@@ -277,7 +277,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-constexpr int kCombineThreads = kKvLora / 4;  // 4 latent columns per thread
+// The combine: one CTA per (head, row); 8 groups of 64 threads, each thread 8 latent columns of
+// every 8th split, then the groups' sums in group order. At batch 1 and 32k there are 264 splits
+// for 6 CTAs: one thread walking all of them (the version before) was 264 dependent L2 round
+// trips in batches of 4.
+constexpr int kCombineCols = 8;
+constexpr int kCombineColThreads = kKvLora / kCombineCols;            // 64
+constexpr int kCombineGroups = 8;                                     // split groups
+constexpr int kCombineThreads = kCombineColThreads * kCombineGroups;  // 512
 constexpr int kMaxSplits = 1024;
 
 template <bool kBf16Out>
@@ -287,11 +294,12 @@ __global__ void __launch_bounds__(kCombineThreads)
                        float* __restrict__ lse) {
   K3_PDL_ENTRY();
   // ws_acc [rows][heads][splits][512]; ws_ml [rows][heads][splits][2];
-  // out [rows][heads][512] fp32 or bf16. One CTA per (head, row). The split weights
-  // exp(m_s - max) are computed once into shared memory, then every thread sums its 4 columns
-  // over the active splits in split order (deterministic).
+  // out [rows][heads][512] fp32 or bf16. The split weights exp(m_s - max) are computed once into
+  // shared memory; group q sums splits q, q + 8, ... in order, then the 8 group sums add in group
+  // order: the result does not depend on scheduling.
   __shared__ float w_s[kMaxSplits];
   __shared__ float red[kCombineThreads / 32];
+  __shared__ float4 part[kCombineGroups][kCombineColThreads][2];  // [group][thread][8 columns]
   const int row = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t rh = static_cast<int64_t>(row) * heads + blockIdx.x;
   const int n = max(0, n_selected ? n_selected[row] : seq_len[row]);
@@ -318,27 +326,53 @@ __global__ void __launch_bounds__(kCombineThreads)
   float l = 0.0f;
   for (int w = 0; w < kCombineThreads / 32; ++w) l += red[w];
   if (lse != nullptr && tid == 0) lse[rh] = mx == -INFINITY ? -INFINITY : mx + logf(l);
-  float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const int grp = tid / kCombineColThreads, ct = tid % kCombineColThreads;
+  float o[kCombineCols] = {};
   if (mx != -INFINITY) {  // else the row has no tokens: o = 0
-    const float* acc = ws_acc + rh * splits * kKvLora + tid * 4;
+    const float* acc = ws_acc + rh * splits * kKvLora + ct * kCombineCols;
 #pragma unroll 4
-    for (int s = 0; s < active; ++s) {
+    for (int s = grp; s < active; s += kCombineGroups) {
       const float w = w_s[s];
-      const float4 a = *reinterpret_cast<const float4*>(acc + static_cast<int64_t>(s) * kKvLora);
-      o[0] += w * a.x;
-      o[1] += w * a.y;
-      o[2] += w * a.z;
-      o[3] += w * a.w;
+      const float4* a = reinterpret_cast<const float4*>(acc + static_cast<int64_t>(s) * kKvLora);
+      const float4 a0 = a[0], a1 = a[1];
+      o[0] += w * a0.x;
+      o[1] += w * a0.y;
+      o[2] += w * a0.z;
+      o[3] += w * a0.w;
+      o[4] += w * a1.x;
+      o[5] += w * a1.y;
+      o[6] += w * a1.z;
+      o[7] += w * a1.w;
     }
-    const float inv = 1.0f / l;
-    for (float& x : o) x *= inv;
   }
-  const int64_t e = rh * kKvLora + tid * 4;
+  part[grp][ct][0] = make_float4(o[0], o[1], o[2], o[3]);
+  part[grp][ct][1] = make_float4(o[4], o[5], o[6], o[7]);
+  __syncthreads();
+  if (grp != 0) return;
+  float r[kCombineCols] = {};
+  for (int q = 0; q < kCombineGroups; ++q) {
+    const float4 p0 = part[q][ct][0], p1 = part[q][ct][1];
+    r[0] += p0.x;
+    r[1] += p0.y;
+    r[2] += p0.z;
+    r[3] += p0.w;
+    r[4] += p1.x;
+    r[5] += p1.y;
+    r[6] += p1.z;
+    r[7] += p1.w;
+  }
+  if (mx != -INFINITY) {
+    const float inv = 1.0f / l;
+    for (float& x : r) x *= inv;
+  }
+  const int64_t e = rh * kKvLora + ct * kCombineCols;
   if constexpr (kBf16Out) {
     __nv_bfloat16* y = static_cast<__nv_bfloat16*>(out) + e;
-    for (int j = 0; j < 4; ++j) y[j] = __float2bfloat16_rn(o[j]);
+    for (int j = 0; j < kCombineCols; ++j) y[j] = __float2bfloat16_rn(r[j]);
   } else {
-    *reinterpret_cast<float4*>(static_cast<float*>(out) + e) = make_float4(o[0], o[1], o[2], o[3]);
+    float4* y = reinterpret_cast<float4*>(static_cast<float*>(out) + e);
+    y[0] = make_float4(r[0], r[1], r[2], r[3]);
+    y[1] = make_float4(r[4], r[5], r[6], r[7]);
   }
 }
 
