@@ -4,9 +4,11 @@
 // current one is used). Per tile, with the group's heads as the mma's 16 rows:
 //   scores S[16 x 32] = Q[16 x 576] C^T: 8 warps = 4 token columns of 8 x 2 halves of the 576;
 //   online softmax per head (one warp per head, lane = token);
-//   O[16 x 512] = a O + P C[:, :512]: each warp 64 latent columns. P goes to the mma as two bf16
-//   terms (hi = bf16(p), lo = bf16(p - hi)), so its rounding is ~2^-17 of p, as near fp32 as the
-//   CUDA-core kernel this replaces (its tests' tolerances hold unchanged).
+//   O[16 x 512] = a O + P C[:, :512]: each warp 64 latent columns. P goes to the mma as three
+//   bf16 terms (each the bf16 rounding of what the ones before leave of p, which fp32 holds
+//   exactly), so it is exact to 2^-27 of p, as near fp32 as the CUDA-core kernel this replaces:
+//   its tests' tolerances (1e-5 of the output's RMS) hold unchanged. Two terms (2^-18 of p) put
+//   single outputs ~4e-6 off, over them (H100, CudaMla.DenseMatchesFloat64).
 // Kernel 2 (combine): merges the row's active splits (derived from its length, like the split
 // kernel's ranges) of each (row, head) in split order, so the result does not depend on
 // scheduling.
@@ -53,6 +55,7 @@ constexpr int kWarps = kThreads / 32;
 // rows an ldmatrix phase reads fall in distinct banks.
 constexpr int kStride = kD + 8;
 constexpr int kPStride = kTile + 8;                      // P rows: 20 words, likewise conflict-free
+constexpr int kPTerms = 3;                               // bf16 terms of P (above)
 constexpr int kScoreWarpsN = kTile / 8;                  // 4 warps along the tile's tokens
 constexpr int kScoreHalves = kWarps / kScoreWarpsN;      // 2 along the 576
 constexpr int kScoreKSteps = kD / 16 / kScoreHalves;     // 18 k-steps of 16 per warp
@@ -63,9 +66,10 @@ static_assert(kScoreKSteps % 2 == 0 && kPvTiles % 2 == 0, "k-steps and n-tiles g
 constexpr int kQCopies = (kMaxHeads * kChunks + kThreads - 1) / kThreads;  // q: 16 B per copy
 
 // Shared memory of a CTA: q (bf16, zero past the group's heads), two cache tiles, the two score
-// halves, P as hi and lo bf16, softmax state. ~98 KB: two CTAs per SM.
+// halves, P as kPTerms bf16 terms, softmax state. ~99 KB: two CTAs per SM.
 constexpr size_t kSplitSmemBytes =
-    sizeof(__nv_bfloat16) * (kMaxHeads * kStride + 2 * kTile * kStride + 2 * kMaxHeads * kPStride) +
+    sizeof(__nv_bfloat16) *
+        (kMaxHeads * kStride + 2 * kTile * kStride + kPTerms * kMaxHeads * kPStride) +
     sizeof(float) * (kScoreHalves * kMaxHeads * kTile + 3 * kMaxHeads);
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -102,14 +106,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   // q_abs [rows][heads][512] bf16; q_pe [rows][heads][64] bf16; cache [pages][page_size][576];
   // ws_acc [rows][heads][splits][512] fp32 (unnormalised sum p c); ws_ml [rows][heads][splits][2]
   extern __shared__ __align__(16) unsigned char smem[];
-  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);         // [kMaxHeads][kStride]
-  __nv_bfloat16* tiles = qs + kMaxHeads * kStride;                    // [2][kTile][kStride]
-  __nv_bfloat16* p_hi = tiles + 2 * kTile * kStride;                  // [kMaxHeads][kPStride]
-  __nv_bfloat16* p_lo = p_hi + kMaxHeads * kPStride;                  // [kMaxHeads][kPStride]
-  float* sp = reinterpret_cast<float*>(p_lo + kMaxHeads * kPStride);  // [2][kMaxHeads][kTile]
-  float* m_s = sp + kScoreHalves * kMaxHeads * kTile;                 // [kMaxHeads] running max
-  float* l_s = m_s + kMaxHeads;                                       // [kMaxHeads] running sum
-  float* a_s = l_s + kMaxHeads;  // [kMaxHeads] rescale this tile
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [kMaxHeads][kStride]
+  __nv_bfloat16* tiles = qs + kMaxHeads * kStride;             // [2][kTile][kStride]
+  __nv_bfloat16* p_terms = tiles + 2 * kTile * kStride;        // [kPTerms][kMaxHeads][kPStride]
+  float* sp = reinterpret_cast<float*>(p_terms + kPTerms * kMaxHeads * kPStride);  // [2][16][kTile]
+  float* m_s = sp + kScoreHalves * kMaxHeads * kTile;  // [kMaxHeads] running max
+  float* l_s = m_s + kMaxHeads;                        // [kMaxHeads] running sum
+  float* a_s = l_s + kMaxHeads;                        // [kMaxHeads] rescale this tile
 
   const int split = blockIdx.x, splits = gridDim.x;
   const int h0 = blockIdx.y * hpg, row = blockIdx.z;
@@ -162,10 +165,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int h = i / kChunks, c = i % kChunks;
     if (h < kMaxHeads) *reinterpret_cast<uint4*>(qs + h * kStride + c * 8) = qv[j];
   }
-  for (int i = tid; i < kMaxHeads * kPStride; i += kThreads) {  // P rows past hg stay 0
-    p_hi[i] = __float2bfloat16_rn(0.0f);
-    p_lo[i] = __float2bfloat16_rn(0.0f);
-  }
+  for (int i = tid; i < kPTerms * kMaxHeads * kPStride; i += kThreads)  // rows past hg stay 0
+    p_terms[i] = __float2bfloat16_rn(0.0f);
   if (tid < kMaxHeads) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.0f;
@@ -215,9 +216,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       const float p = s == -INFINITY ? 0.0f : expf(s - mn);
       const float a = mo == -INFINITY ? 0.0f : expf(mo - mn);
       const float sum = warp_sum(p);
-      const __nv_bfloat16 hi = __float2bfloat16_rn(p);
-      p_hi[h * kPStride + lane] = hi;
-      p_lo[h * kPStride + lane] = __float2bfloat16_rn(p - __bfloat162float(hi));
+      float rest = p;  // what the terms so far leave of p: exact in fp32
+#pragma unroll
+      for (int q = 0; q < kPTerms; ++q) {
+        const __nv_bfloat16 term = __float2bfloat16_rn(rest);
+        p_terms[(q * kMaxHeads + h) * kPStride + lane] = term;
+        rest -= __bfloat162float(term);
+      }
       if (lane == 0) {
         l_s[h] = l_s[h] * a + sum;
         m_s[h] = mn;
@@ -238,9 +243,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int col0 = warp * kPvTiles * 8, mi = lane >> 3;
 #pragma unroll
       for (int kt = 0; kt < kTile; kt += 16) {
-        uint32_t ph[4], pl[4];
-        ldmatrix_x4(ph, p_hi + (lane & 15) * kPStride + kt + (lane >> 4) * 8);
-        ldmatrix_x4(pl, p_lo + (lane & 15) * kPStride + kt + (lane >> 4) * 8);
+        uint32_t pf[kPTerms][4];  // A fragments of each term
+#pragma unroll
+        for (int q = 0; q < kPTerms; ++q)
+          ldmatrix_x4(pf[q],
+                      p_terms + (q * kMaxHeads + (lane & 15)) * kPStride + kt + (lane >> 4) * 8);
         // Matrix mi: tokens kt + 8 (mi & 1) .., columns + 8 (mi >> 1): (b0, b1) of n-tiles j, j
         // + 1.
         const __nv_bfloat16* v_row =
@@ -249,10 +256,11 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int j = 0; j < kPvTiles; j += 2) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, v_row + j * 8);
-          mma_bf16_16816(acc[j], ph[0], ph[1], ph[2], ph[3], b[0], b[1]);
-          mma_bf16_16816(acc[j], pl[0], pl[1], pl[2], pl[3], b[0], b[1]);
-          mma_bf16_16816(acc[j + 1], ph[0], ph[1], ph[2], ph[3], b[2], b[3]);
-          mma_bf16_16816(acc[j + 1], pl[0], pl[1], pl[2], pl[3], b[2], b[3]);
+#pragma unroll
+          for (int q = kPTerms - 1; q >= 0; --q) {  // smallest term first
+            mma_bf16_16816(acc[j], pf[q][0], pf[q][1], pf[q][2], pf[q][3], b[0], b[1]);
+            mma_bf16_16816(acc[j + 1], pf[q][0], pf[q][1], pf[q][2], pf[q][3], b[2], b[3]);
+          }
         }
       }
     }
