@@ -243,7 +243,8 @@ void bench_kda(Timer& t, int H, int rows, Rng& rng) {
 // ---- MLA absorbed decode (dense, paged) ----
 constexpr int kKvLora = 512, kRope = 64, kRow = kKvLora + kRope, kPage = 64;
 
-void bench_mla(Timer& t, int heads, int ctx, int rows, int sms, Rng& rng) {
+// mma: the tensor-core split kernel (MlaDecodePlan::tensor_cores), else the CUDA-core one.
+void bench_mla(Timer& t, int heads, int ctx, int rows, bool mma, int sms, Rng& rng) {
   const int ppr = (ctx + kPage - 1) / kPage;  // pages per row
   const double cache_bytes = static_cast<double>(rows) * ctx * kRow * 2;
   const double bytes = cache_bytes + rows * heads * (kRow * 2.0 + kKvLora * 4.0);
@@ -268,7 +269,8 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, int sms, Rng& rng) {
   cuda::MlaDecodePlan p0;
   p0.rows = rows, p0.heads = heads, p0.kv_lora = kKvLora, p0.rope = kRope, p0.page_size = kPage;
   p0.max_pages = ppr, p0.max_sel = 0, p0.max_tokens = ctx;
-  const cuda::MlaDecodePlan plan = cuda::plan_mla_decode(p0, sms);
+  cuda::MlaDecodePlan plan = cuda::plan_mla_decode(p0, sms);
+  plan.tensor_cores = mma;
   DeviceBuffer<uint8_t> ws(cuda::mla_decode_workspace_bytes(plan));
   DeviceBuffer<float> out(static_cast<size_t>(rows) * heads * kKvLora);
   const float scale = 1.0f / std::sqrt(192.0f);
@@ -279,7 +281,7 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, int sms, Rng& rng) {
   };
   Result r{"mla",
            "H" + std::to_string(heads) + " ctx" + std::to_string(ctx / 1024) + "k splits" +
-               std::to_string(plan.splits),
+               std::to_string(plan.splits) + (mma ? " mma" : " fp32"),
            "", rows, bytes};
   r.us = t.batched_us(op, R);
   // Check: row 0 (all heads) against float64 over the base pages.
@@ -388,7 +390,9 @@ int main(int argc, char** argv) {
     if (want("mla"))
       for (int heads : {6, 16})
         for (int ctx : {1024, 32768})
-          for (int rows : row_counts) bench_mla(t, heads, ctx, rows, p.multiProcessorCount, rng);
+          for (int rows : row_counts)
+            for (bool mma : {false, true})
+              bench_mla(t, heads, ctx, rows, mma, p.multiProcessorCount, rng);
     if (want("router"))
       for (int rows : row_counts)
         for (bool tree : {false, true}) bench_router(t, rows, tree, rng);

@@ -37,6 +37,11 @@ struct MlaDecodePlan {
   int head_groups = 0;      // CTAs along the head axis
   int heads_per_group = 0;  // <= 16
   int splits = 0;           // CTAs along the token axis
+  // The split kernel on tensor cores (bf16 mma, P as three bf16 terms, every mma's result added
+  // in fp32) instead of CUDA cores: 3-9x faster (bench/RESULTS.md, nineteenth stop). Off unless
+  // K3_MLA_MMA=1 until its GPU tests pass with the fp32 kernel's tolerances; may be set after
+  // planning (the tests and the benchmark run both).
+  bool tensor_cores = false;
 };
 
 // Fills the derived fields for a device with `sm_count` SMs; raises k3::Error on unsupported

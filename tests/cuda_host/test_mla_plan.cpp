@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "cuda/mla_decode.h"
@@ -52,6 +53,9 @@ TEST(MlaPlan, LongContextsFillOneWaveOfTwoCtasPerSm) {
     EXPECT_GT(static_cast<int64_t>(p.splits + 1) * rows * p.head_groups, 2 * kSms);
   }
   EXPECT_EQ(k3_plan(300, 6, 32768).splits, 1) << "more rows than places: one split each";
+  if (std::getenv("K3_MLA_MMA") == nullptr) {
+    EXPECT_FALSE(k3_plan(1, 6, 32768).tensor_cores) << "the CUDA-core split kernel by default";
+  }
 }
 
 TEST(MlaPlan, HeadGroupsAndWorkspace) {

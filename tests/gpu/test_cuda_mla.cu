@@ -160,7 +160,8 @@ struct MlaDev {
   cuda::MlaDecodePlan plan;
   bool sparse = false;
 
-  MlaDev(const MlaCase& c, int force_splits) {
+  // mma: the tensor-core split kernel (MlaDecodePlan::tensor_cores), else the CUDA-core one.
+  MlaDev(const MlaCase& c, int force_splits, bool mma) {
     q_abs = cuda::to_device<bf16>(c.q_abs);
     q_pe = cuda::to_device<bf16>(c.q_pe);
     cache = cuda::to_device<bf16>(c.cache);
@@ -191,6 +192,7 @@ struct MlaDev {
                                 .max_tokens = max_tokens};
     plan = cuda::plan_mla_decode(p, sm_count());
     if (force_splits > 0) plan.splits = force_splits;
+    plan.tensor_cores = mma;
     ws = DeviceBuffer<uint8_t>(cuda::mla_decode_workspace_bytes(plan));
     out = DeviceBuffer<uint8_t>(static_cast<size_t>(c.rows) * c.heads * kKvLora * 4);
   }
@@ -216,21 +218,25 @@ struct MlaDev {
 
 const float kScale = 1.0f / std::sqrt(192.0f);  // K3: 1/sqrt(qk_nope 128 + qk_rope 64)
 
+// Both split kernels, each against the same float64 reference and tolerances.
 void check_mla(const std::vector<int>& seq, int heads, bool sparse, int force_splits) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const MlaCase c = make_case(rng, seq, heads, sparse);
   const std::vector<double> ref = mla_reference(c, kScale);
-  MlaDev d(c, force_splits);
-  const std::string what = "heads " + std::to_string(heads) + (sparse ? " sparse" : " dense") +
-                           ", splits " + std::to_string(d.plan.splits);
-  for (bool bf16_out : {false, true}) {
-    d.out.fill_bytes(0xff);
-    d.launch(kScale, bf16_out, nullptr);
-    K3_CUDA_CHECK_LAUNCH();
-    expect_close(d.result(bf16_out), ref, bf16_out ? kMlaBf16Out : kMlaF32Out,
-                 what + (bf16_out ? ", bf16 out" : ", fp32 out"));
+  for (bool mma : {false, true}) {
+    MlaDev d(c, force_splits, mma);
+    const std::string what = std::string(mma ? "mma" : "fp32") + " kernel, heads " +
+                             std::to_string(heads) + (sparse ? " sparse" : " dense") + ", splits " +
+                             std::to_string(d.plan.splits);
+    for (bool bf16_out : {false, true}) {
+      d.out.fill_bytes(0xff);
+      d.launch(kScale, bf16_out, nullptr);
+      K3_CUDA_CHECK_LAUNCH();
+      expect_close(d.result(bf16_out), ref, bf16_out ? kMlaBf16Out : kMlaF32Out,
+                   what + (bf16_out ? ", bf16 out" : ", fp32 out"));
+    }
   }
 }
 
@@ -250,12 +256,13 @@ TEST(CudaMla, SparseSelectedEqualsGatheredDense) {
   for (int heads : {6, 16}) check_mla(kSeqs, heads, true, 0);
 }
 
-TEST(CudaMla, GraphReplayEqualsEager) {
+void check_graph_replay(bool mma) {
+  SCOPED_TRACE(mma ? "mma kernel" : "fp32 kernel");
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const MlaCase c = make_case(rng, kSeqs, 6, false);
-  MlaDev d(c, 0);
+  MlaDev d(c, 0, mma);
   d.launch(kScale, false, nullptr);
   const std::vector<float> eager = d.result(false);
   cudaStream_t s;
@@ -283,6 +290,10 @@ TEST(CudaMla, GraphReplayEqualsEager) {
   K3_CUDA_CHECK(cudaGraphExecDestroy(ge));
   K3_CUDA_CHECK(cudaGraphDestroy(g));
   K3_CUDA_CHECK(cudaStreamDestroy(s));
+}
+
+TEST(CudaMla, GraphReplayEqualsEager) {
+  for (bool mma : {false, true}) check_graph_replay(mma);
 }
 
 TEST(CudaMla, RefusesUnsupportedShapes) {
