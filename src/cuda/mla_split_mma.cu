@@ -158,22 +158,15 @@ __global__ void __launch_bounds__(kThreads, 2)
           tile + ((lane & 7) + (mi & 1) * 8) * kStride + col0 + (mi >> 1) * 8;
 #pragma unroll
       for (int j = 0; j < kPvTiles; j += 2) {
-        float t[4], u[4];
-        bool first = true;
+        float t[4] = {0.0f, 0.0f, 0.0f, 0.0f}, u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, v_row + k * 16 * kStride + j * 8);
 #pragma unroll
           for (int q = kPTerms - 1; q >= 0; --q) {  // smallest term first
-            if (first) {
-              mma_from_zero(t, pf[k][q], b[0], b[1]);
-              mma_from_zero(u, pf[k][q], b[2], b[3]);
-              first = false;
-            } else {
-              mma_bf16_16816(t, pf[k][q][0], pf[k][q][1], pf[k][q][2], pf[k][q][3], b[0], b[1]);
-              mma_bf16_16816(u, pf[k][q][0], pf[k][q][1], pf[k][q][2], pf[k][q][3], b[2], b[3]);
-            }
+            mma_bf16_16816(t, pf[k][q][0], pf[k][q][1], pf[k][q][2], pf[k][q][3], b[0], b[1]);
+            mma_bf16_16816(u, pf[k][q][0], pf[k][q][1], pf[k][q][2], pf[k][q][3], b[2], b[3]);
           }
         }
         acc[j][0] = acc[j][0] * a_g + t[0];
