@@ -7,8 +7,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdint>
 
+#include "cuda/device_util.cuh"
 #include "cuda/mma.cuh"
 
 namespace k3::cuda::detail::mla {
@@ -118,6 +120,37 @@ __device__ __forceinline__ void load_q(const SplitArgs& a, int row, int h0, int 
     const int h = i / kChunks, c = i % kChunks;
     if (h < rows_out) *reinterpret_cast<uint4*>(qs + h * kStride + c * 8) = qv[j];
   }
+}
+
+// The start of a tile step: the next tile's copies go out (into the buffer the previous step
+// finished with), then this tile's (in tiles[buf]) have landed, for the whole CTA.
+template <int kStride>
+__device__ __forceinline__ void tile_ready(const SplitArgs& a, const SplitRange& r,
+                                           __nv_bfloat16* tiles, int buf, int t0, int tid) {
+  if (t0 + kTile < r.end)
+    issue_tile<kStride>(a, r, tiles + (buf ^ 1) * kTile * kStride, t0 + kTile, tid);
+  else
+    cp_async_commit();  // an empty group keeps the wait count uniform
+  cp_async_wait<1>();
+  __syncthreads();
+}
+
+// One head's online-softmax step over a tile, one warp, lane = token, s = -inf where the tile
+// has no token: returns the lane's p = exp(s - new max); lane 0 updates the head's running max
+// and sum and the factor a that rescales its accumulators.
+__device__ __forceinline__ float softmax_step(float s, float* m_s, float* l_s, float* a_s, int h,
+                                              int lane) {
+  const float mo = m_s[h], mn = fmaxf(mo, warp_max(s));
+  // mn is finite here: every tile holds at least one valid token.
+  const float p = s == -INFINITY ? 0.0f : expf(s - mn);
+  const float al = mo == -INFINITY ? 0.0f : expf(mo - mn);
+  const float sum = warp_sum(p);
+  if (lane == 0) {
+    l_s[h] = l_s[h] * al + sum;
+    m_s[h] = mn;
+    a_s[h] = al;
+  }
+  return p;
 }
 
 // grid (splits, head groups, rows), kThreads threads; both raise k3::Error on a failed launch.

@@ -73,14 +73,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int t0 = beg; t0 < end; t0 += kTile, buf ^= 1) {
     const int nt = min(kTile, end - t0);
     const __nv_bfloat16* tile = tiles + buf * kTile * kD;
-    // 1. The next tile's copies go out (into the buffer the previous iteration finished with),
-    // then this tile's have landed.
-    if (t0 + kTile < end)
-      issue_tile<kD>(a, range, tiles + (buf ^ 1) * kTile * kD, t0 + kTile, tid);
-    else
-      cp_async_commit();  // an empty group keeps the wait count uniform
-    cp_async_wait<1>();
-    __syncthreads();
+    tile_ready<kD>(a, range, tiles, buf, t0, tid);  // 1. this tile landed, the next in flight
     // 2. Scores: one warp per token; the lane's 8-column chunks are reused for all heads.
     for (int t = warp; t < kTile; t += kThreads / 32) {
       float part[kMaxHeads] = {};
@@ -106,19 +99,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     // 3. Online softmax: one warp per head, lane = token of the tile.
     for (int h = warp; h < hg; h += kThreads / 32) {
-      const float s = ps[h * kTile + lane];
-      const float mo = m_s[h], mn = fmaxf(mo, warp_max(s));
-      // mn is finite here: every tile holds at least one valid token.
-      const float p = s == -INFINITY ? 0.0f : expf(s - mn);
-      const float al = mo == -INFINITY ? 0.0f : expf(mo - mn);
-      const float sum = warp_sum(p);
-      ps[h * kTile + lane] = p;
-      __syncwarp();
-      if (lane == 0) {
-        l_s[h] = l_s[h] * al + sum;
-        m_s[h] = mn;
-        a_s[h] = al;
-      }
+      float* pt = ps + h * kTile + lane;
+      *pt = softmax_step(*pt, m_s, l_s, a_s, h, lane);
     }
     __syncthreads();
     // 4. acc = alpha acc + sum_t p_t c_t over 8 columns x up to 4 heads per thread.

@@ -86,14 +86,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int t0 = beg; t0 < end; t0 += kTile, buf ^= 1) {
     const int nt = min(kTile, end - t0);
     const __nv_bfloat16* tile = tiles + buf * kTile * kStride;
-    // 1. The next tile's copies go out (into the buffer the previous iteration finished with),
-    // then this tile's have landed.
-    if (t0 + kTile < end)
-      issue_tile<kStride>(a, range, tiles + (buf ^ 1) * kTile * kStride, t0 + kTile, tid);
-    else
-      cp_async_commit();  // an empty group keeps the wait count uniform
-    cp_async_wait<1>();
-    __syncthreads();
+    tile_ready<kStride>(a, range, tiles, buf, t0, tid);  // 1. this tile landed, the next in flight
     // 2. Scores: warp -> 8 tokens (n0) x one half of the 576 (A = q rows, B = cache rows).
     {
       const int n0 = (warp % kScoreWarpsN) * 8, half = warp / kScoreWarpsN;
@@ -122,22 +115,12 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int h = warp; h < hg; h += kWarps) {
       const float raw = sp[h * kTile + lane] + sp[(kMaxHeads + h) * kTile + lane];
       const float s = lane < nt ? raw * a.scale : -INFINITY;
-      const float mo = m_s[h], mn = fmaxf(mo, warp_max(s));
-      // mn is finite here: every tile holds at least one valid token.
-      const float p = s == -INFINITY ? 0.0f : expf(s - mn);
-      const float al = mo == -INFINITY ? 0.0f : expf(mo - mn);
-      const float sum = warp_sum(p);
-      float rest = p;  // what the terms so far leave of p: exact in fp32
+      float rest = softmax_step(s, m_s, l_s, a_s, h, lane);  // what the terms leave of p
 #pragma unroll
       for (int q = 0; q < kPTerms; ++q) {
         const __nv_bfloat16 term = __float2bfloat16_rn(rest);
         p_terms[(q * kMaxHeads + h) * kPStride + lane] = term;
-        rest -= __bfloat162float(term);
-      }
-      if (lane == 0) {
-        l_s[h] = l_s[h] * al + sum;
-        m_s[h] = mn;
-        a_s[h] = al;
+        rest -= __bfloat162float(term);  // exact in fp32
       }
     }
     __syncthreads();
