@@ -153,6 +153,16 @@ __device__ __forceinline__ float softmax_step(float s, float* m_s, float* l_s, f
   return p;
 }
 
+// The group's running max and sum per head into ws_ml, where the combine reads them.
+__device__ __forceinline__ void store_ml(const SplitArgs& a, int row, int h0, int hg, int split,
+                                         int splits, const float* m_s, const float* l_s, int tid) {
+  if (tid < hg) {
+    const int64_t slot = (static_cast<int64_t>(row) * a.heads + h0 + tid) * splits + split;
+    a.ws_ml[slot * 2] = m_s[tid];
+    a.ws_ml[slot * 2 + 1] = l_s[tid];
+  }
+}
+
 // grid (splits, head groups, rows), kThreads threads; both raise k3::Error on a failed launch.
 void launch_split_fp32(const SplitArgs& a, dim3 grid, cudaStream_t stream);
 void launch_split_mma(const SplitArgs& a, dim3 grid, cudaStream_t stream);

@@ -135,11 +135,7 @@ __global__ void __launch_bounds__(kThreads)
     dst[0] = make_float4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]);
     dst[1] = make_float4(acc[k][4], acc[k][5], acc[k][6], acc[k][7]);
   }
-  if (tid < hg) {
-    const int64_t slot = (static_cast<int64_t>(row) * a.heads + h0 + tid) * splits + split;
-    a.ws_ml[slot * 2] = m_s[tid];
-    a.ws_ml[slot * 2 + 1] = l_s[tid];
-  }
+  store_ml(a, row, h0, hg, split, splits, m_s, l_s, tid);
 }
 
 }  // namespace

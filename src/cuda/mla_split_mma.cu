@@ -176,11 +176,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       *reinterpret_cast<float2*>(a.ws_acc + ((rh0 + g + 8) * splits + split) * kKvLora + col +
                                  j * 8) = make_float2(acc[j][2], acc[j][3]);
   }
-  if (tid < hg) {
-    const int64_t slot = (rh0 + tid) * splits + split;
-    a.ws_ml[slot * 2] = m_s[tid];
-    a.ws_ml[slot * 2 + 1] = l_s[tid];
-  }
+  store_ml(a, row, h0, hg, split, splits, m_s, l_s, tid);
 }
 
 }  // namespace
