@@ -9,7 +9,9 @@
 // context that is 37.7 MB per row per layer; at H200's ~4.0 TB/s achievable HBM bandwidth the
 // floor is ~9.4 us per row per layer (TP16, 6 heads per rank: the same bytes, so the same floor;
 // the arithmetic, 6 x 2 x 576 FLOP per token for scores + 6 x 2 x 512 for PV, is ~11 FLOP/B, far
-// below the ridge, so the kernel is bandwidth bound for every head count of K3). Over K3's 24 MLA
+// below the tensor cores' ridge, but at the floor ~24 T FMA/s, more than the CUDA cores sustain
+// beside the bf16 unpacking: the fp32 split kernel reaches 4-17% of the read curve, the
+// tensor-core one 13-61%, bench/RESULTS.md, nineteenth stop). Over K3's 24 MLA
 // layers a 32k-context row streams 0.91 GB per decode step: ~226 us per row at 4.0 TB/s. With
 // DSA only the selected tokens are read (n_selected x 1152 B, gathered through block_table).
 #pragma once
