@@ -12,6 +12,8 @@
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
 # K3_STEP_VARIANTS (space-separated VAR=VALUE switches, e.g. "K3_CUBLAS_PLANS=0 K3_MXFP4_GEMV=0":
 # k3_bench_step once more under each, without the flips, into bench_step_<VAR>.log),
+# K3_TEST_VARIANTS (space-separated VAR=VALUE switches: k3_gpu_tests once more under each, with
+# K3_TEST_VARIANT_FILTER as its gtest filter if set, e.g. "CudaMla*:CudaStepDiff*"),
 # K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
 # racecheck, where the machine's runtime supports it).
 set -uo pipefail
@@ -34,6 +36,16 @@ source tools/gpu_bins.sh "$log" || exit 1
 echo "== k3_gpu_tests" | tee -a "$log"
 "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${K3_GPU_FILTER:+--gtest_filter=$K3_GPU_FILTER} 2>&1 | tee -a "$log"
 tests_rc=${PIPESTATUS[0]}
+# The suite again under each VAR=VALUE switch of K3_TEST_VARIANTS (e.g. "K3_MLA_MMA=1"), with
+# K3_TEST_VARIANT_FILTER (else K3_GPU_FILTER) if set; a failure there fails the tests.
+variant_filter="${K3_TEST_VARIANT_FILTER:-${K3_GPU_FILTER:-}}"
+for variant in ${K3_TEST_VARIANTS:-}; do
+  echo "== $variant k3_gpu_tests ${variant_filter:+--gtest_filter=$variant_filter}" | tee -a "$log"
+  env "$variant" "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${variant_filter:+--gtest_filter=$variant_filter} 2>&1 |
+    tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  [ "$tests_rc" -eq 0 ] && [ "$rc" -ne 0 ] && tests_rc=$rc
+done
 
 # Memory errors and shared-memory races in a subset of the GPU tests (compute-sanitizer needs
 # the Firecracker runtime; gVisor refuses the device, reported as such).
