@@ -201,6 +201,7 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows, bool invariant) {
   p.rope = cfg_.qk_rope_head_dim;
   p.page_size = opt_.pool.page_size;
   p.max_pages = pool_->pages_per_slot();
+  p.tensor_cores = mla_tensor_cores();
   if (cfg_.dsa_config.enabled) {
     p.max_sel = cfg_.dsa_config.index_topk;
     p.max_tokens = std::min<int64_t>(cfg_.dsa_config.index_topk, opt_.pool.max_context);

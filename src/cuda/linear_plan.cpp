@@ -373,6 +373,11 @@ std::atomic<bool>& mxfp4_gemv_flag() {
 }
 }  // namespace
 
+bool mla_tensor_cores() {
+  static const bool on = env_switch("K3_MLA_MMA", false);
+  return on;
+}
+
 bool log_plans() {
   static const bool on = env_switch("K3_LOG_PLANS", false);
   return on;

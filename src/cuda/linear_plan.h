@@ -146,6 +146,9 @@ void set_cublas_plans(bool on);
 // thirteenth stop).
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
+// The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
+// steps' attention (K3_MLA_MMA=1; off by default until its GPU tests pass).
+bool mla_tensor_cores();
 // Each plan the tuner settles on is printed to stderr (K3_LOG_PLANS=1; off by default), so a
 // benchmark shows which kernel and shape every GEMM of the step runs.
 bool log_plans();

@@ -7,8 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "core/error.h"
 #include "cuda/check.h"
@@ -141,14 +139,13 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   K3_CHECK(p.max_tokens >= 0 && p.max_tokens <= 0x7fffffff, "cuda::mla_decode: max_tokens ",
            p.max_tokens);
   K3_CHECK(sm_count >= 1, "cuda::mla_decode: sm_count ", sm_count);
-  if (!fast) {  // generic kernel: one CTA per (head, row), no splits
+  if (!fast) {  // generic kernel: one CTA per (head, row), no splits, no tensor-core form
+    p.tensor_cores = false;
     p.head_groups = p.heads;
     p.heads_per_group = 1;
     p.splits = 1;
     return p;
   }
-  const char* mma = std::getenv("K3_MLA_MMA");
-  p.tensor_cores = mma != nullptr && std::strcmp(mma, "1") == 0;
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
   // Aim at one wave of two CTAs per SM (either split kernel fits two in shared memory) for the

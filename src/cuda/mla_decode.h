@@ -39,10 +39,11 @@ struct MlaDecodePlan {
   int head_groups = 0;      // CTAs along the head axis
   int heads_per_group = 0;  // <= 16
   int splits = 0;           // CTAs along the token axis
-  // The split kernel on tensor cores (bf16 mma, P as three bf16 terms, every mma's result added
-  // in fp32) instead of CUDA cores: 3-9x faster (bench/RESULTS.md, nineteenth stop). Off unless
-  // K3_MLA_MMA=1 until its GPU tests pass with the fp32 kernel's tolerances; may be set after
-  // planning (the tests and the benchmark run both).
+  // Asks for the split kernel on tensor cores (bf16 mma, P as three bf16 terms, every mma's
+  // result added in fp32) instead of CUDA cores: 3-9x faster (bench/RESULTS.md, nineteenth
+  // stop). The backbone sets it from cuda::mla_tensor_cores() (K3_MLA_MMA=1, off until its GPU
+  // tests pass with the fp32 kernel's tolerances); plan_mla_decode clears it for shapes that take
+  // the generic kernel.
   bool tensor_cores = false;
 };
 

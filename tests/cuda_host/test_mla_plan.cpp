@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "core/error.h"
 #include "cuda/mla_decode.h"
@@ -53,9 +52,17 @@ TEST(MlaPlan, LongContextsFillOneWaveOfTwoCtasPerSm) {
     EXPECT_GT(static_cast<int64_t>(p.splits + 1) * rows * p.head_groups, 2 * kSms);
   }
   EXPECT_EQ(k3_plan(300, 6, 32768).splits, 1) << "more rows than places: one split each";
-  if (std::getenv("K3_MLA_MMA") == nullptr) {
-    EXPECT_FALSE(k3_plan(1, 6, 32768).tensor_cores) << "the CUDA-core split kernel by default";
-  }
+}
+
+TEST(MlaPlan, TensorCoresOnlyWhenAskedAndForK3Shapes) {
+  EXPECT_FALSE(k3_plan(1, 6, 32768).tensor_cores) << "the CUDA-core split kernel by default";
+  cuda::MlaDecodePlan p;
+  p.rows = 1, p.heads = 6, p.kv_lora = 512, p.rope = 64, p.page_size = 64, p.max_pages = 16;
+  p.max_tokens = 1024;
+  p.tensor_cores = true;
+  EXPECT_TRUE(cuda::plan_mla_decode(p, kSms).tensor_cores) << "the request is kept";
+  p.kv_lora = 64, p.rope = 16;
+  EXPECT_FALSE(cuda::plan_mla_decode(p, kSms).tensor_cores) << "the generic kernel has no mma form";
 }
 
 TEST(MlaPlan, HeadGroupsAndWorkspace) {
