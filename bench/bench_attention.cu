@@ -243,8 +243,9 @@ void bench_kda(Timer& t, int H, int rows, Rng& rng) {
 // ---- MLA absorbed decode (dense, paged) ----
 constexpr int kKvLora = 512, kRope = 64, kRow = kKvLora + kRope, kPage = 64;
 
-// mma: the tensor-core split kernel (MlaDecodePlan::tensor_cores), else the CUDA-core one.
-void bench_mla(Timer& t, int heads, int ctx, int rows, bool mma, int sms, Rng& rng) {
+// ring 0: the CUDA-core split kernel; 2, 4 or 5: the tensor-core one (MlaDecodePlan::
+// tensor_cores) with that tile ring (MlaDecodePlan::ring_tiles).
+void bench_mla(Timer& t, int heads, int ctx, int rows, int ring, int sms, Rng& rng) {
   const int ppr = (ctx + kPage - 1) / kPage;  // pages per row
   const double cache_bytes = static_cast<double>(rows) * ctx * kRow * 2;
   const double bytes = cache_bytes + rows * heads * (kRow * 2.0 + kKvLora * 4.0);
@@ -269,8 +270,9 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, bool mma, int sms, Rng& r
   cuda::MlaDecodePlan p0;
   p0.rows = rows, p0.heads = heads, p0.kv_lora = kKvLora, p0.rope = kRope, p0.page_size = kPage;
   p0.max_pages = ppr, p0.max_sel = 0, p0.max_tokens = ctx;
-  cuda::MlaDecodePlan plan = cuda::plan_mla_decode(p0, sms);
-  plan.tensor_cores = mma;
+  p0.tensor_cores = ring > 0;
+  p0.ring_tiles = ring > 0 ? ring : 2;
+  const cuda::MlaDecodePlan plan = cuda::plan_mla_decode(p0, sms);
   DeviceBuffer<uint8_t> ws(cuda::mla_decode_workspace_bytes(plan));
   DeviceBuffer<float> out(static_cast<size_t>(rows) * heads * kKvLora);
   const float scale = 1.0f / std::sqrt(192.0f);
@@ -281,7 +283,7 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, bool mma, int sms, Rng& r
   };
   Result r{"mla",
            "H" + std::to_string(heads) + " ctx" + std::to_string(ctx / 1024) + "k splits" +
-               std::to_string(plan.splits) + (mma ? " mma" : " fp32"),
+               std::to_string(plan.splits) + (ring > 0 ? " mma" + std::to_string(ring) : " fp32"),
            "", rows, bytes};
   r.us = t.batched_us(op, R);
   // Check: row 0 (all heads) against float64 over the base pages.
@@ -391,8 +393,8 @@ int main(int argc, char** argv) {
       for (int heads : {6, 16})
         for (int ctx : {1024, 32768})
           for (int rows : row_counts)
-            for (bool mma : {false, true})
-              bench_mla(t, heads, ctx, rows, mma, p.multiProcessorCount, rng);
+            for (int ring : {0, 2, 4, 5})
+              bench_mla(t, heads, ctx, rows, ring, p.multiProcessorCount, rng);
     if (want("router"))
       for (int rows : row_counts)
         for (bool tree : {false, true}) bench_router(t, rows, tree, rng);

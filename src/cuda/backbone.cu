@@ -202,6 +202,7 @@ const MlaDecodePlan& CudaBackbone::mla_plan(int64_t rows, bool invariant) {
   p.page_size = opt_.pool.page_size;
   p.max_pages = pool_->pages_per_slot();
   p.tensor_cores = mla_tensor_cores();
+  p.ring_tiles = mla_ring_tiles();
   if (cfg_.dsa_config.enabled) {
     p.max_sel = cfg_.dsa_config.index_topk;
     p.max_tokens = std::min<int64_t>(cfg_.dsa_config.index_topk, opt_.pool.max_context);

@@ -378,6 +378,18 @@ bool mla_tensor_cores() {
   return on;
 }
 
+int mla_ring_tiles() {
+  static const int tiles = [] {
+    const char* v = std::getenv("K3_MLA_RING");
+    if (v == nullptr || *v == '\0') return 2;
+    const std::string s(v);
+    K3_CHECK(s == "2" || s == "4" || s == "5", "K3_MLA_RING=", s,
+             ": the MLA tile ring is 2, 4 or 5");
+    return std::stoi(s);
+  }();
+  return tiles;
+}
+
 bool log_plans() {
   static const bool on = env_switch("K3_LOG_PLANS", false);
   return on;

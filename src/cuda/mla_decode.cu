@@ -139,8 +139,13 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   K3_CHECK(p.max_tokens >= 0 && p.max_tokens <= 0x7fffffff, "cuda::mla_decode: max_tokens ",
            p.max_tokens);
   K3_CHECK(sm_count >= 1, "cuda::mla_decode: sm_count ", sm_count);
+  K3_CHECK(p.ring_tiles == 2 || p.ring_tiles == 4 || p.ring_tiles == detail::mla::kRingDeepest,
+           "cuda::mla_decode: ring_tiles ", p.ring_tiles, " (2, 4 or ", detail::mla::kRingDeepest,
+           ")");
+  if (!p.tensor_cores) p.ring_tiles = 2;  // the CUDA-core kernel has the two-tile ring only
   if (!fast) {  // generic kernel: one CTA per (head, row), no splits, no tensor-core form
     p.tensor_cores = false;
+    p.ring_tiles = 2;
     p.head_groups = p.heads;
     p.heads_per_group = 1;
     p.splits = 1;
@@ -148,15 +153,16 @@ MlaDecodePlan plan_mla_decode(MlaDecodePlan p, int sm_count) {
   }
   p.head_groups = (p.heads + kMaxHeads - 1) / kMaxHeads;
   p.heads_per_group = (p.heads + p.head_groups - 1) / p.head_groups;
-  // Aim at one wave of two CTAs per SM (either split kernel fits two in shared memory) for the
-  // longest context the grid must serve: the most splits whose CTAs all fit, since the splits are
-  // equal work and a second, partial wave would double the kernel's time (64 rows at 5 splits were
-  // 320 CTAs for 264 places). On the device each split takes at least kMinSplit tokens, so a short
-  // context uses fewer splits. At batch 1 the step is latency-bound: many short splits win
-  // although each writes heads_per_group x 2 KB of fp32 partials (L2-resident, read back by the
-  // combine).
+  // Aim at one wave of two CTAs per SM (either split kernel fits two in shared memory with a
+  // two-tile ring; one with a deeper ring) for the longest context the grid must serve: the most
+  // splits whose CTAs all fit, since the splits are equal work and a second, partial wave would
+  // double the kernel's time (64 rows at 5 splits were 320 CTAs for 264 places). On the device each
+  // split takes at least kMinSplit tokens, so a short context uses fewer splits. At batch 1 the
+  // step is latency-bound: many short splits win although each writes heads_per_group x 2 KB of
+  // fp32 partials (L2-resident, read back by the combine).
   const int64_t base = std::max<int64_t>(1, static_cast<int64_t>(p.rows) * p.head_groups);
-  const int64_t want = 2 * static_cast<int64_t>(sm_count) / base;
+  const int64_t per_sm = p.ring_tiles == 2 ? 2 : 1;
+  const int64_t want = per_sm * sm_count / base;
   const int64_t min_len = kMinSplit;
   const int64_t cap = std::max<int64_t>(1, (p.max_tokens + min_len - 1) / min_len);
   p.splits = static_cast<int>(std::clamp<int64_t>(std::min(want, cap), 1, kMaxSplits));
@@ -211,7 +217,7 @@ void mla_decode(const MlaDecodePlan& p, const __nv_bfloat16* q_abs, const __nv_b
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.head_groups),
                   static_cast<unsigned>(p.rows));
   if (p.tensor_cores)
-    detail::mla::launch_split_mma(args, grid, stream);
+    detail::mla::launch_split_mma(args, grid, p.ring_tiles, stream);
   else
     detail::mla::launch_split_fp32(args, grid, stream);
   const dim3 cgrid(static_cast<unsigned>(p.heads), static_cast<unsigned>(p.rows));

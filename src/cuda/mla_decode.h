@@ -45,6 +45,11 @@ struct MlaDecodePlan {
   // tests pass with the fp32 kernel's tolerances); plan_mla_decode clears it for shapes that take
   // the generic kernel.
   bool tensor_cores = false;
+  // Cache tiles in the tensor-core split kernel's shared-memory ring: 2 (one in flight while one
+  // is used, two CTAs per SM), or 4 / 5 (three / four in flight, one CTA per SM, half the
+  // splits). The backbone sets it from cuda::mla_ring_tiles() (K3_MLA_RING, 2 by default);
+  // plan_mla_decode sets 2 where the CUDA-core or generic kernel runs.
+  int ring_tiles = 2;
 };
 
 // Fills the derived fields for a device with `sm_count` SMs; raises k3::Error on unsupported

@@ -24,6 +24,7 @@ constexpr int kMaxHeads = 16;        // heads per CTA
 constexpr int kThreads = 256;
 constexpr int kTileCopies = kTile * kChunks / kThreads;  // 16-byte copies per thread per tile
 static_assert(kTile * kChunks % kThreads == 0, "a tile is whole rounds of copies");
+constexpr int kRingDeepest = 5;  // tiles of the deepest ring that fits an SM's shared memory
 constexpr int kQCopies = (kMaxHeads * kChunks + kThreads - 1) / kThreads;  // q: 16 B per copy
 
 // Tokens per split of a row with n tokens: equal ranges in whole tiles, at least kMinSplit (one
@@ -122,16 +123,32 @@ __device__ __forceinline__ void load_q(const SplitArgs& a, int row, int h0, int 
   }
 }
 
-// The start of a tile step: the next tile's copies go out (into the buffer the previous step
-// finished with), then this tile's (in tiles[buf]) have landed, for the whole CTA.
-template <int kStride>
+// A ring of kStages tiles (kStages - 1 in flight while one is used): the first kStages - 1
+// tiles of the range go out, one commit group each (empty past the range).
+template <int kStride, int kStages>
+__device__ __forceinline__ void ring_start(const SplitArgs& a, const SplitRange& r,
+                                           __nv_bfloat16* tiles, int tid) {
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    const int t0 = r.beg + s * kTile;
+    if (t0 < r.end)
+      issue_tile<kStride>(a, r, tiles + s * kTile * kStride, t0, tid);
+    else
+      cp_async_commit();  // an empty group keeps the wait count uniform
+  }
+}
+
+// The start of a tile step: the tile kStages - 1 ahead goes out (into the slot the previous step
+// finished with), then this tile's copies (in tiles[buf]) have landed, for the whole CTA.
+template <int kStride, int kStages>
 __device__ __forceinline__ void tile_ready(const SplitArgs& a, const SplitRange& r,
                                            __nv_bfloat16* tiles, int buf, int t0, int tid) {
-  if (t0 + kTile < r.end)
-    issue_tile<kStride>(a, r, tiles + (buf ^ 1) * kTile * kStride, t0 + kTile, tid);
+  const int ahead = t0 + (kStages - 1) * kTile;
+  if (ahead < r.end)
+    issue_tile<kStride>(a, r, tiles + (buf + kStages - 1) % kStages * kTile * kStride, ahead, tid);
   else
-    cp_async_commit();  // an empty group keeps the wait count uniform
-  cp_async_wait<1>();
+    cp_async_commit();
+  cp_async_wait<kStages - 1>();
   __syncthreads();
 }
 
@@ -164,7 +181,9 @@ __device__ __forceinline__ void store_ml(const SplitArgs& a, int row, int h0, in
 }
 
 // grid (splits, head groups, rows), kThreads threads; both raise k3::Error on a failed launch.
+// ring_tiles: the tensor-core kernel's tile ring, 2 (two CTAs per SM), 4 or kRingDeepest (one CTA
+// per SM; MlaDecodePlan::ring_tiles).
 void launch_split_fp32(const SplitArgs& a, dim3 grid, cudaStream_t stream);
-void launch_split_mma(const SplitArgs& a, dim3 grid, cudaStream_t stream);
+void launch_split_mma(const SplitArgs& a, dim3 grid, int ring_tiles, cudaStream_t stream);
 
 }  // namespace k3::cuda::detail::mla

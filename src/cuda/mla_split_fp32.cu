@@ -60,7 +60,7 @@ __global__ void __launch_bounds__(kThreads)
   const int beg = range.beg, end = range.end;
   if (beg >= end) return;  // beyond the row's active splits: the combine never reads it
 
-  issue_tile<kD>(a, range, tiles, beg, tid);
+  ring_start<kD, 2>(a, range, tiles, tid);
   load_q<kD>(a, row, h0, hg, hg, qs, tid);
   if (tid < kMaxHeads) {
     m_s[tid] = -INFINITY;
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int t0 = beg; t0 < end; t0 += kTile, buf ^= 1) {
     const int nt = min(kTile, end - t0);
     const __nv_bfloat16* tile = tiles + buf * kTile * kD;
-    tile_ready<kD>(a, range, tiles, buf, t0, tid);  // 1. this tile landed, the next in flight
+    tile_ready<kD, 2>(a, range, tiles, buf, t0, tid);  // 1. this tile landed, the next in flight
     // 2. Scores: one warp per token; the lane's 8-column chunks are reused for all heads.
     for (int t = warp; t < kTile; t += kThreads / 32) {
       float part[kMaxHeads] = {};

@@ -37,11 +37,15 @@ constexpr int kScoreKSteps = kD / 16 / kScoreHalves;  // 18 k-steps of 16 per wa
 constexpr int kPvTiles = kKvLora / kWarps / 8;        // 8 n-tiles of 8 latent columns per warp
 static_assert(kScoreKSteps % 2 == 0 && kPvTiles % 2 == 0, "k-steps and n-tiles go in pairs");
 
-// Shared memory of a CTA: q (bf16, zero past the group's heads), two cache tiles, P as kPTerms
-// bf16 terms, the two score halves, softmax state. ~99 KB: two CTAs per SM.
-constexpr size_t kSmemBytes = sizeof(__nv_bfloat16) * (kMaxHeads * kStride + 2 * kTile * kStride +
-                                                       kPTerms * kMaxHeads * kPStride) +
-                              sizeof(float) * (kScoreHalves * kMaxHeads * kTile + 3 * kMaxHeads);
+// Shared memory of a CTA: q (bf16, zero past the group's heads), a ring of kStages cache tiles,
+// P as kPTerms bf16 terms, the two score halves, softmax state. Two tiles: ~99 KB, two CTAs per
+// SM; four: ~172 KB and five: ~209 KB, one CTA per SM with three or four tiles in flight.
+constexpr size_t smem_bytes(int stages) {
+  return sizeof(__nv_bfloat16) *
+             (kMaxHeads * kStride + stages * kTile * kStride + kPTerms * kMaxHeads * kPStride) +
+         sizeof(float) * (kScoreHalves * kMaxHeads * kTile + 3 * kMaxHeads);
+}
+static_assert(smem_bytes(kRingDeepest) <= 227 * 1024, "the deepest ring fits one CTA per SM");
 
 __device__ __forceinline__ void mma_from_zero(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                               uint32_t b1) {
@@ -49,13 +53,14 @@ __device__ __forceinline__ void mma_from_zero(float (&d)[4], const uint32_t (&a)
   mma_bf16_16816(d, a[0], a[1], a[2], a[3], b0, b1);
 }
 
-__global__ void __launch_bounds__(kThreads, 2)
+template <int kStages>
+__global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1)
     mla_split_mma_kernel(const __grid_constant__ SplitArgs a) {
   K3_PDL_ENTRY();
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);  // [kMaxHeads][kStride]
-  __nv_bfloat16* tiles = qs + kMaxHeads * kStride;             // [2][kTile][kStride]
-  __nv_bfloat16* p_terms = tiles + 2 * kTile * kStride;        // [kPTerms][kMaxHeads][kPStride]
+  __nv_bfloat16* tiles = qs + kMaxHeads * kStride;             // [kStages][kTile][kStride]
+  __nv_bfloat16* p_terms = tiles + kStages * kTile * kStride;  // [kPTerms][kMaxHeads][kPStride]
   float* sp = reinterpret_cast<float*>(p_terms + kPTerms * kMaxHeads * kPStride);  // [2][16][32]
   float* m_s = sp + kScoreHalves * kMaxHeads * kTile;  // [kMaxHeads] running max
   float* l_s = m_s + kMaxHeads;                        // [kMaxHeads] running sum
@@ -70,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int beg = range.beg, end = range.end;
   if (beg >= end) return;  // beyond the row's active splits: the combine never reads it
 
-  issue_tile<kStride>(a, range, tiles, beg, tid);
+  ring_start<kStride, kStages>(a, range, tiles, tid);
   // q rows past hg are zero: their mma rows are never stored, but stay finite.
   load_q<kStride>(a, row, h0, hg, kMaxHeads, qs, tid);
   for (int i = tid; i < kPTerms * kMaxHeads * kPStride; i += kThreads)  // rows past hg stay 0
@@ -83,10 +88,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   float acc[kPvTiles][4] = {};  // O rows g and g + 8, this warp's latent columns
 
   int buf = 0;
-  for (int t0 = beg; t0 < end; t0 += kTile, buf ^= 1) {
+  for (int t0 = beg; t0 < end; t0 += kTile, buf = buf + 1 == kStages ? 0 : buf + 1) {
     const int nt = min(kTile, end - t0);
     const __nv_bfloat16* tile = tiles + buf * kTile * kStride;
-    tile_ready<kStride>(a, range, tiles, buf, t0, tid);  // 1. this tile landed, the next in flight
+    tile_ready<kStride, kStages>(a, range, tiles, buf, t0, tid);  // 1. landed, the next in flight
     // 2. Scores: warp -> 8 tokens (n0) x one half of the 576 (A = q rows, B = cache rows).
     {
       const int n0 = (warp % kScoreWarpsN) * 8, half = warp / kScoreWarpsN;
@@ -181,13 +186,29 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 }  // namespace
 
-void launch_split_mma(const SplitArgs& a, dim3 grid, cudaStream_t stream) {
+namespace {
+template <int kStages>
+void launch_ring(const SplitArgs& a, dim3 grid, cudaStream_t stream) {
   // Above the 48 KB default: an attribute, not a stream operation, so legal while capturing.
-  K3_CUDA_CHECK(cudaFuncSetAttribute(mla_split_mma_kernel,
+  K3_CUDA_CHECK(cudaFuncSetAttribute(mla_split_mma_kernel<kStages>,
                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     static_cast<int>(kSmemBytes)));
-  mla_split_mma_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a);
+                                     static_cast<int>(smem_bytes(kStages))));
+  mla_split_mma_kernel<kStages><<<grid, kThreads, smem_bytes(kStages), stream>>>(a);
   K3_CUDA_CHECK_LAUNCH();
+}
+}  // namespace
+
+void launch_split_mma(const SplitArgs& a, dim3 grid, int ring_tiles, cudaStream_t stream) {
+  switch (ring_tiles) {
+    case 2:
+      return launch_ring<2>(a, grid, stream);
+    case 4:
+      return launch_ring<4>(a, grid, stream);
+    case kRingDeepest:
+      return launch_ring<kRingDeepest>(a, grid, stream);
+    default:
+      K3_CHECK(false, "cuda::mla_decode: tile ring of ", ring_tiles, " (2, 4 or 5)");
+  }
 }
 
 }  // namespace k3::cuda::detail::mla

@@ -65,6 +65,31 @@ TEST(MlaPlan, TensorCoresOnlyWhenAskedAndForK3Shapes) {
   EXPECT_FALSE(cuda::plan_mla_decode(p, kSms).tensor_cores) << "the generic kernel has no mma form";
 }
 
+TEST(MlaPlan, DeepRingsFillOneWaveOfOneCtaPerSm) {
+  cuda::MlaDecodePlan p;
+  p.heads = 6, p.kv_lora = 512, p.rope = 64, p.page_size = 64, p.max_pages = 512;
+  p.max_tokens = 32768;
+  p.tensor_cores = true;
+  for (int ring : {4, 5})
+    for (int rows : {1, 8, 64}) {
+      SCOPED_TRACE(testing::Message() << "ring " << ring << ", rows " << rows);
+      p.rows = rows, p.ring_tiles = ring;
+      const auto d = cuda::plan_mla_decode(p, kSms);
+      EXPECT_EQ(d.ring_tiles, ring);
+      EXPECT_LE(static_cast<int64_t>(d.splits) * rows, kSms);  // one CTA per SM
+      EXPECT_GT(static_cast<int64_t>(d.splits + 1) * rows, kSms);
+    }
+  p.rows = 1, p.ring_tiles = 4, p.tensor_cores = false;
+  const auto fp32 = cuda::plan_mla_decode(p, kSms);
+  EXPECT_EQ(fp32.ring_tiles, 2) << "the CUDA-core kernel has the two-tile ring only";
+  EXPECT_EQ(fp32.splits, 2 * kSms);
+  p.tensor_cores = true;
+  for (int bad : {0, 1, 3, 6}) {
+    p.ring_tiles = bad;
+    EXPECT_THROW(cuda::plan_mla_decode(p, kSms), k3::Error) << "ring " << bad;
+  }
+}
+
 TEST(MlaPlan, HeadGroupsAndWorkspace) {
   const auto p = k3_plan(2, 17, 4096);  // above 16 heads per CTA: two groups of 9
   EXPECT_EQ(p.head_groups, 2);

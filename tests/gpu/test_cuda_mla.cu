@@ -160,8 +160,9 @@ struct MlaDev {
   cuda::MlaDecodePlan plan;
   bool sparse = false;
 
-  // mma: the tensor-core split kernel (MlaDecodePlan::tensor_cores), else the CUDA-core one.
-  MlaDev(const MlaCase& c, int force_splits, bool mma) {
+  // ring 0: the CUDA-core split kernel; 2, 4 or 5: the tensor-core one (MlaDecodePlan::
+  // tensor_cores) with that tile ring (MlaDecodePlan::ring_tiles).
+  MlaDev(const MlaCase& c, int force_splits, int ring) {
     q_abs = cuda::to_device<bf16>(c.q_abs);
     q_pe = cuda::to_device<bf16>(c.q_pe);
     cache = cuda::to_device<bf16>(c.cache);
@@ -190,9 +191,11 @@ struct MlaDev {
                                 .max_pages = c.max_pages,
                                 .max_sel = c.max_sel,
                                 .max_tokens = max_tokens};
-    plan = cuda::plan_mla_decode(p, sm_count());
+    cuda::MlaDecodePlan asked = p;
+    asked.tensor_cores = ring > 0;
+    asked.ring_tiles = ring > 0 ? ring : 2;
+    plan = cuda::plan_mla_decode(asked, sm_count());
     if (force_splits > 0) plan.splits = force_splits;
-    plan.tensor_cores = mma;
     ws = DeviceBuffer<uint8_t>(cuda::mla_decode_workspace_bytes(plan));
     out = DeviceBuffer<uint8_t>(static_cast<size_t>(c.rows) * c.heads * kKvLora * 4);
   }
@@ -218,17 +221,24 @@ struct MlaDev {
 
 const float kScale = 1.0f / std::sqrt(192.0f);  // K3: 1/sqrt(qk_nope 128 + qk_rope 64)
 
-// Both split kernels, each against the same float64 reference and tolerances.
+// The split kernels under test (MlaDev's ring): the CUDA-core one, then the tensor-core one with
+// each tile ring.
+const int kRings[] = {0, 2, 4, 5};
+std::string kernel_name(int ring) {
+  return ring == 0 ? "fp32 kernel" : "mma kernel, ring " + std::to_string(ring);
+}
+
+// Every split kernel of kRings, each against the same float64 reference and tolerances.
 void check_mla(const std::vector<int>& seq, int heads, bool sparse, int force_splits) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const MlaCase c = make_case(rng, seq, heads, sparse);
   const std::vector<double> ref = mla_reference(c, kScale);
-  for (bool mma : {false, true}) {
-    MlaDev d(c, force_splits, mma);
-    const std::string what = std::string(mma ? "mma" : "fp32") + " kernel, heads " +
-                             std::to_string(heads) + (sparse ? " sparse" : " dense") + ", splits " +
+  for (int ring : kRings) {
+    MlaDev d(c, force_splits, ring);
+    const std::string what = kernel_name(ring) + ", heads " + std::to_string(heads) +
+                             (sparse ? " sparse" : " dense") + ", splits " +
                              std::to_string(d.plan.splits);
     for (bool bf16_out : {false, true}) {
       d.out.fill_bytes(0xff);
@@ -256,13 +266,13 @@ TEST(CudaMla, SparseSelectedEqualsGatheredDense) {
   for (int heads : {6, 16}) check_mla(kSeqs, heads, true, 0);
 }
 
-void check_graph_replay(bool mma) {
-  SCOPED_TRACE(mma ? "mma kernel" : "fp32 kernel");
+void check_graph_replay(int ring) {
+  SCOPED_TRACE(kernel_name(ring));
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const MlaCase c = make_case(rng, kSeqs, 6, false);
-  MlaDev d(c, 0, mma);
+  MlaDev d(c, 0, ring);
   d.launch(kScale, false, nullptr);
   const std::vector<float> eager = d.result(false);
   cudaStream_t s;
@@ -293,7 +303,7 @@ void check_graph_replay(bool mma) {
 }
 
 TEST(CudaMla, GraphReplayEqualsEager) {
-  for (bool mma : {false, true}) check_graph_replay(mma);
+  for (int ring : kRings) check_graph_replay(ring);
 }
 
 TEST(CudaMla, RefusesUnsupportedShapes) {
