@@ -157,7 +157,9 @@ TEST(LinearPlan, Mxfp4GemvPlans) {
       }
       EXPECT_EQ(pieces, (std::set<int>{1, 2, 4}));
       EXPECT_EQ(c.front().gemv_fp4(), m == 1) << m << " rows: GEMV first for one row only";
-      if (m > 1) EXPECT_TRUE(c.back().gemv_fp4()) << "after the tilings";
+      if (m > 1) {
+        EXPECT_TRUE(c.back().gemv_fp4()) << "after the tilings";
+      }
       // Grouped, other slot counts: the same GEMV plans in the same order.
       for (const auto& [slots, busy] : {std::pair<int, int>{56, 1}, {16, 1}, {16, 0}}) {
         const auto gg = fp4_gemv(
