@@ -10,9 +10,10 @@
 # Extra arguments go to k3_bench_ops (e.g. --quick, --no-sweep, --filter 768x7168).
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
-# K3_STEP_VARIANTS (space-separated VAR=VALUE switches, e.g. "K3_CUBLAS_PLANS=0 K3_MXFP4_GEMV=0":
-# k3_bench_step once more under each, without the flips, into bench_step_<VAR>.log),
-# K3_TEST_VARIANTS (space-separated VAR=VALUE switches: k3_gpu_tests once more under each, with
+# K3_STEP_VARIANTS (space-separated variants, each VAR=VALUE or several joined by commas, e.g.
+# "K3_CUBLAS_PLANS=0 K3_MLA_MMA=1,K3_MLA_RING=4": k3_bench_step once more under each, without the
+# flips, into bench_step_<variant>.log),
+# K3_TEST_VARIANTS (variants as above: k3_gpu_tests once more under each, with
 # K3_TEST_VARIANT_FILTER as its gtest filter if set, e.g. "CudaMla*:CudaStepDiff*"),
 # K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
 # racecheck, where the machine's runtime supports it).
@@ -41,7 +42,8 @@ tests_rc=${PIPESTATUS[0]}
 variant_filter="${K3_TEST_VARIANT_FILTER:-${K3_GPU_FILTER:-}}"
 for variant in ${K3_TEST_VARIANTS:-}; do
   echo "== $variant k3_gpu_tests ${variant_filter:+--gtest_filter=$variant_filter}" | tee -a "$log"
-  env "$variant" "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${variant_filter:+--gtest_filter=$variant_filter} 2>&1 |
+  # shellcheck disable=SC2086
+  env ${variant//,/ } "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${variant_filter:+--gtest_filter=$variant_filter} 2>&1 |
     tee -a "$log"
   rc=${PIPESTATUS[0]}
   [ "$tests_rc" -eq 0 ] && [ "$rc" -ne 0 ] && tests_rc=$rc
@@ -90,8 +92,8 @@ if [ -x "$bin_dir/k3_bench_step" ] && [ -z "${K3_SKIP_STEP:-}" ]; then
   for variant in ${K3_STEP_VARIANTS:-}; do
     echo "== $variant k3_bench_step ${K3_STEP_ARGS:-} --no-flips" | tee -a "$log"
     # shellcheck disable=SC2086
-    env "$variant" "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} --no-flips 2>&1 |
-      tee "$out_dir/bench_step_${variant%%=*}.log" | tee -a "$log" >/dev/null
+    env ${variant//,/ } "$bin_dir/k3_bench_step" ${K3_STEP_ARGS:-} --no-flips 2>&1 |
+      tee "$out_dir/bench_step_${variant//[=,]/_}.log" | tee -a "$log" >/dev/null
     rc=${PIPESTATUS[0]}
     [ "$rc" -ne 0 ] && step_rc=$rc
   done
@@ -153,7 +155,7 @@ fi
                              bad ? "NO" : "yes", n - bad, n }' "$out_dir/bench_step.log"
   fi
   for variant in ${K3_STEP_VARIANTS:-}; do
-    f="$out_dir/bench_step_${variant%%=*}.log"
+    f="$out_dir/bench_step_${variant//[=,]/_}.log"
     [ -f "$f" ] || continue
     echo "k3_bench_step with $variant (full output: $f)"
     awk '/^=+ summary/{p=1} p' "$f"
