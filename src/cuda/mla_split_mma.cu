@@ -1,6 +1,7 @@
 // MLA split kernel on tensor cores (bf16 mma.sync m16n8k16; MlaDecodePlan::tensor_cores, off by
 // default until its GPU tests pass: mla_decode.h). Same CTA grid, tiles and token ranges as the
-// CUDA-core kernel (mla_split.cuh); per tile, with the group's heads as the mma's 16 rows:
+// CUDA-core kernel (mla_split.cuh), in a ring of 2 tiles (two CTAs per SM) or 4 / 5 (one CTA per
+// SM, MlaDecodePlan::ring_tiles); per tile, with the group's heads as the mma's 16 rows:
 //   scores S[16 x 32] = Q[16 x 576] C^T: 8 warps = 4 token columns of 8 x 2 halves of the 576;
 //   online softmax per head (one warp per head, lane = token);
 //   O[16 x 512] = a O + P C[:, :512]: each warp 64 latent columns.
@@ -184,9 +185,6 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1)
   store_ml(a, row, h0, hg, split, splits, m_s, l_s, tid);
 }
 
-}  // namespace
-
-namespace {
 template <int kStages>
 void launch_ring(const SplitArgs& a, dim3 grid, cudaStream_t stream) {
   // Above the 48 KB default: an attribute, not a stream operation, so legal while capturing.
@@ -196,6 +194,7 @@ void launch_ring(const SplitArgs& a, dim3 grid, cudaStream_t stream) {
   mla_split_mma_kernel<kStages><<<grid, kThreads, smem_bytes(kStages), stream>>>(a);
   K3_CUDA_CHECK_LAUNCH();
 }
+
 }  // namespace
 
 void launch_split_mma(const SplitArgs& a, dim3 grid, int ring_tiles, cudaStream_t stream) {
