@@ -39,14 +39,7 @@ std::vector<int64_t> dsa_select(const ModelConfig& cfg, const DsaIndexerWeights&
   std::vector<float> q(static_cast<size_t>(nh * hd));  // [nh][hd]
   linear(w.wq_b, q_latent, q.data());
   num.round(q);
-  std::vector<uint8_t> q8(static_cast<size_t>(hd));
-  std::vector<float> qs(static_cast<size_t>(blocks));
-  for (int64_t h = 0; h < nh; ++h) {
-    float* qh = q.data() + h * hd;
-    hadamard_transform(qh, hd);
-    quantize_fp8_blocks(qh, hd, block, q8.data(), qs.data());
-    dequantize_fp8_blocks(q8.data(), qs.data(), hd, block, qh);
-  }
+  dsa_prepare_queries(q.data(), nh, hd, block);
   std::vector<float> head_w(static_cast<size_t>(nh));
   linear(w.weights_proj, x, head_w.data());
   const float head_scale = 1.0f / std::sqrt(static_cast<float>(nh * hd));

@@ -56,6 +56,19 @@ void dequantize_fp8_blocks(const uint8_t* q, const float* scales, int64_t n, int
   for (int64_t i = 0; i < n; ++i) x[i] = e4m3_to_float(q[i]) * scales[i / block];
 }
 
+void dsa_prepare_queries(float* q, int64_t n_heads, int64_t head_dim, int64_t block) {
+  K3_CHECK(n_heads > 0 && head_dim > 0 && block > 0, "DSA queries: bad n_heads=", n_heads,
+           " head_dim=", head_dim, " block=", block);
+  std::vector<uint8_t> q8(static_cast<size_t>(head_dim));
+  std::vector<float> qs(static_cast<size_t>((head_dim + block - 1) / block));
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* qh = q + h * head_dim;  // [head_dim]
+    hadamard_transform(qh, head_dim);
+    quantize_fp8_blocks(qh, head_dim, block, q8.data(), qs.data());
+    dequantize_fp8_blocks(q8.data(), qs.data(), head_dim, block, qh);
+  }
+}
+
 void dsa_index_scores(const float* q, const float* head_w, const float* keys, int64_t T,
                       int n_heads, int head_dim, float* scores) {
   // q: [n_heads][head_dim], head_w: [n_heads], keys: [T][head_dim], scores: [T].

@@ -16,6 +16,10 @@ void quantize_fp8_blocks(const float* x, int64_t n, int64_t block, uint8_t* q, f
 void dequantize_fp8_blocks(const uint8_t* q, const float* scales, int64_t n, int64_t block,
                            float* x);
 
+// The indexer's queries as the keys are cached: each head rotated (Hadamard), then through the
+// fp8 block round trip (quantize, dequantize), in place. q: [n_heads][head_dim].
+void dsa_prepare_queries(float* q, int64_t n_heads, int64_t head_dim, int64_t block);
+
 // Index scores of one query against T cached keys:
 //   I[s] = sum_h head_w[h] * relu(q[h] . k_s)
 // q: [n_heads][head_dim], head_w: [n_heads] (weights_proj(x) * n_heads^-1/2 * head_dim^-1/2),
