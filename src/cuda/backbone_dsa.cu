@@ -30,7 +30,7 @@ void CudaBackbone::dsa_select(int l, int64_t R) {
                    1.0f / std::sqrt(static_cast<float>(nh) * static_cast<float>(hd)), R, nh, hd,
                    pool_->index_keys(l), pool_->index_scales(l), b.row_table.data(),
                    pool_->pages_per_slot(), b.row_seq.data(), pool_->page_size(),
-                   b.dsa_scores.data(), pool_->max_context(), stream_);
+                   b.dsa_scores.data(), pool_->max_context(), dsa_tensor_cores(), stream_);
   dsa_topk(b.dsa_scores.data(), pool_->max_context(), b.row_seq.data(), R, dc.index_topk,
            b.dsa_sel.data(), b.dsa_nsel.data(), b.dsa_ws.data(), stream_);
 }

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/dsa_query.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/quant_util.cuh"
 
@@ -12,51 +13,12 @@ namespace k3::cuda {
 namespace {
 
 using namespace detail;
+using namespace detail::dsa;
 
 constexpr int kKeyThreads = 128;
 constexpr int kScoreThreads = 256;  // 8 warps, one token per warp at a time
 constexpr int kTokensPerCta = 256;
 constexpr int kMaxQElems = 12288;  // nh * hd floats in shared memory (48 KB)
-
-// Blocks of the fp8 quantizer for head dim hd: cpu::index_scale_blocks and dsa_select's block.
-__host__ __device__ inline int scale_blocks(int hd) {
-  return (hd + 127) / 128;
-}
-__host__ __device__ inline int scale_block(int hd) {
-  const int nb = scale_blocks(hd);
-  return (hd + nb - 1) / nb;
-}
-
-// In-place orthonormal WHT of `count` vectors of length n in shared memory (vector v at
-// x + v * n), all threads of the CTA. The butterflies are those of cpu::hadamard_transform;
-// each output depends only on its pair, so running a pass in parallel gives the same bits.
-__device__ void hadamard_shared(float* x, int n, int count) {
-  const int half = n / 2, total = half * count, lg_half = __ffs(half) - 1;  // n: a power of 2
-  for (int h = 1, lg_h = 0; h < n; h *= 2, ++lg_h) {
-    for (int t = threadIdx.x; t < total; t += blockDim.x) {
-      const int v = t >> lg_half, k = t & (half - 1);
-      const int j = ((k >> lg_h) << (lg_h + 1)) | (k & (h - 1));  // the butterfly's lower index
-      float* p = x + v * n;
-      const float a = p[j], b = p[j + h];
-      p[j] = __fadd_rn(a, b);
-      p[j + h] = __fsub_rn(a, b);
-    }
-    __syncthreads();
-  }
-  const float norm = __fdiv_rn(1.0f, __fsqrt_rn(static_cast<float>(n)));
-  for (int t = threadIdx.x; t < n * count; t += blockDim.x) x[t] = __fmul_rn(x[t], norm);
-  __syncthreads();
-}
-
-// amax over x[0..B) by one warp (order-free, so exact); every lane gets it.
-__device__ __forceinline__ float warp_amax(const float* x, int B) {
-  const int lane = threadIdx.x & 31;
-  float m = 0.0f;
-  for (int i = lane; i < B; i += 32) m = fmaxf(m, fabsf(x[i]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  return m;
-}
 
 // Activations, caches, page tables, positions and lengths: no __restrict__ (PDL: their producer
 // may still run when a kernel starts, so no ld.global.nc; see mma.cuh ld_act128). Weights keep it.
@@ -112,8 +74,7 @@ __global__ void key_append_kernel(const __nv_bfloat16* key, int hd,
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (int b = warp; b < nb; b += nwarps) {  // quantize_fp8_blocks, one warp per block
     const int b0 = b * B, len = min(B, hd - b0);
-    const float amax = warp_amax(x + b0, len);
-    const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    const float scale = fp8_block_scale(warp_amax(x + b0, len));
     for (int i = lane; i < len; i += 32) kq[b0 + i] = f32_to_e4m3(__fdiv_rn(x[b0 + i], scale));
     if (lane == 0) ks[b] = scale;
   }
@@ -135,19 +96,13 @@ __global__ void scores_kernel(const __nv_bfloat16* q, const __nv_bfloat16* head_
   if (t0 >= T) return;
 
   // Queries as dsa_select prepares them: Hadamard per head, fp8 block round trip.
-  const __nv_bfloat16* qr = q + r * nh * hd;  // [nh][hd]
-  for (int i = threadIdx.x; i < nh * hd; i += blockDim.x) sq[i] = __bfloat162float(qr[i]);
-  for (int h = threadIdx.x; h < nh; h += blockDim.x)
-    sw[h] = __fmul_rn(__bfloat162float(head_w[r * nh + h]), head_scale);
-  __syncthreads();
-  hadamard_shared(sq, hd, nh);
+  rotated_queries(q, head_w, head_scale, r, nh, hd, sq, sw);
   const int nb = scale_blocks(hd), B = scale_block(hd);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   for (int hb = warp; hb < nh * nb; hb += nwarps) {  // one warp per (head, block)
     float* x = sq + (hb / nb) * hd + (hb % nb) * B;
     const int len = min(B, hd - (hb % nb) * B);
-    const float amax = warp_amax(x, len);
-    const float scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+    const float scale = fp8_block_scale(warp_amax(x, len));
     __syncwarp();
     for (int i = lane; i < len; i += 32)
       x[i] = __fmul_rn(e4m3_to_f32(f32_to_e4m3(__fdiv_rn(x[i], scale))), scale);
@@ -318,7 +273,7 @@ void dsa_index_scores(const __nv_bfloat16* q, const __nv_bfloat16* head_w, float
                       int64_t rows, int nh, int hd, const uint8_t* key_cache,
                       const float* scale_cache, const int32_t* block_table, int max_pages,
                       const int32_t* seq_len, int page_size, float* scores, int64_t max_tokens,
-                      cudaStream_t stream) {
+                      bool tensor_cores, cudaStream_t stream) {
   K3_CHECK(hd >= 32 && hd <= 1024 && (hd & (hd - 1)) == 0,
            "dsa_index_scores: index_head_dim must be a power of two in [32, 1024], got ", hd);
   K3_CHECK(nh >= 1 && static_cast<int64_t>(nh) * hd + nh <= kMaxQElems,
@@ -330,6 +285,11 @@ void dsa_index_scores(const __nv_bfloat16* q, const __nv_bfloat16* head_w, float
   const int64_t chunks = (max_tokens + kTokensPerCta - 1) / kTokensPerCta;
   K3_CHECK(chunks <= 65535, "dsa_index_scores: max_tokens ", max_tokens, " too large");
   if (rows == 0 || chunks == 0) return;
+  if (tensor_cores && scores_mma_shape(nh, hd)) {
+    scores_mma(q, head_w, head_scale, rows, nh, key_cache, scale_cache, block_table, max_pages,
+               seq_len, page_size, scores, max_tokens, stream);
+    return;
+  }
   const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(chunks));
   const size_t smem = (static_cast<size_t>(nh) * hd + nh) * sizeof(float);
   const auto launch = [&](auto kernel) {

@@ -12,8 +12,8 @@
 // top-k reads the scores 5 times (4 radix passes and the compaction: 2.6 MB at 131072 tokens).
 // Measured on H200 at K3.1 shapes (nh 32, hd 128, 131072 tokens): scores ~210 us per row
 // (~90 GB/s of keys: bound by the per-head warp reductions, not by HBM), top-k ~216 us per row
-// (one CTA per row, so rows run in parallel: 32 rows also take ~220 us). Both are plain,
-// correct first versions; a tensor-core score GEMM and a multi-CTA select are the next steps.
+// (one CTA per row, so rows run in parallel: 32 rows also take ~220 us). The scores have an fp8
+// tensor-core form (tensor_cores below, not yet measured); a multi-CTA select is still to do.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,16 +39,20 @@ void dsa_index_key_append(const __nv_bfloat16* key, int64_t rows, int hd, const 
                           const int32_t* position, int page_size, uint8_t* key_cache,
                           float* scale_cache, cudaStream_t stream);
 
-// scores[r][s] for s < min(seq_len[r], max_tokens); other entries are not written. The grid is
-// rows x ceil(max_tokens / 256) (host bounds); lengths come from the device.
+// scores[r][s] for s < min(seq_len[r], max_tokens); other entries are not written. The grid
+// comes from host bounds (rows, max_tokens); lengths come from the device.
 // q:       [rows][nh][hd] bf16 (wq_b output); head_w: [rows][nh] bf16 (weights_proj output)
 // head_scale: 1 / sqrt(nh * hd); nh * hd <= 12288
 // scores:  [rows][max_tokens] fp32
+// tensor_cores: where hd is 128 and nh a multiple of 16 up to 64 (K3.1: 32 x 128), the scores as
+// one fp8 mma GEMM of the E4M3 queries and keys (dsa_scores_mma.cu; the backbone passes
+// cuda::dsa_tensor_cores(), K3_DSA_MMA=1, off until its GPU tests pass); other shapes take the
+// CUDA-core kernel either way.
 void dsa_index_scores(const __nv_bfloat16* q, const __nv_bfloat16* head_w, float head_scale,
                       int64_t rows, int nh, int hd, const uint8_t* key_cache,
                       const float* scale_cache, const int32_t* block_table, int max_pages,
                       const int32_t* seq_len, int page_size, float* scores, int64_t max_tokens,
-                      cudaStream_t stream);
+                      bool tensor_cores, cudaStream_t stream);
 
 // Scratch bytes dsa_topk needs: none (its histograms live in shared memory); kept so callers
 // size a workspace once if a later version needs one.

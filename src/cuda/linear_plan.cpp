@@ -378,6 +378,11 @@ bool mla_tensor_cores() {
   return on;
 }
 
+bool dsa_tensor_cores() {
+  static const bool on = env_switch("K3_DSA_MMA", false);
+  return on;
+}
+
 int mla_ring_tiles() {
   static const int tiles = [] {
     const char* v = std::getenv("K3_MLA_RING");

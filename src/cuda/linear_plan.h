@@ -149,6 +149,9 @@ void set_mxfp4_gemv_plans(bool on);
 // The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
 // steps' attention (K3_MLA_MMA=1; off by default until its GPU tests pass).
 bool mla_tensor_cores();
+// The DSA index scores on fp8 tensor cores (dsa_index_scores's tensor_cores, dsa_indexer.h) for
+// the steps' K3.1 layers (K3_DSA_MMA=1; off by default until its GPU tests pass).
+bool dsa_tensor_cores();
 // Cache tiles in the tensor-core MLA split kernel's ring (MlaDecodePlan::ring_tiles; K3_MLA_RING
 // = 2, the default, 4 or 5; anything else raises k3::Error).
 int mla_ring_tiles();

@@ -136,4 +136,16 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// D += A B with fp8 E4M3 operands (sm_89+): A 16 x 32 row-major (a0/a2 row g, a1/a3 row g + 8;
+// a0/a1 columns 4 t .. 4 t + 3, a2/a3 those + 16), B 32 x 8 (b0 rows 4 t .. 4 t + 3, b1 those + 16,
+// column g), D as in mma_bf16_16816; g = lane / 4, t = lane % 4, four E4M3 bytes per register,
+// the lowest k in the lowest byte.
+__device__ __forceinline__ void mma_e4m3_16832(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                               uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 }  // namespace k3::cuda::detail

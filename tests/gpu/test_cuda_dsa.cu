@@ -186,14 +186,7 @@ void cpu_scores(const ScoreCase& c, int r, float head_scale, std::vector<float>&
   std::vector<float> q(static_cast<size_t>(nh) * hd), w(static_cast<size_t>(nh));
   for (size_t i = 0; i < q.size(); ++i)
     q[i] = bf16_to_float(c.q[static_cast<size_t>(r) * nh * hd + i]);
-  std::vector<uint8_t> q8(static_cast<size_t>(hd));
-  std::vector<float> qs(static_cast<size_t>(nb));
-  for (int h = 0; h < nh; ++h) {
-    float* qh = q.data() + static_cast<size_t>(h) * hd;
-    cpu::hadamard_transform(qh, hd);
-    cpu::quantize_fp8_blocks(qh, hd, B, q8.data(), qs.data());
-    cpu::dequantize_fp8_blocks(q8.data(), qs.data(), hd, B, qh);
-  }
+  cpu::dsa_prepare_queries(q.data(), nh, hd, B);
   for (int h = 0; h < nh; ++h)
     w[h] = bf16_to_float(c.hw[static_cast<size_t>(r) * nh + h]) * head_scale;
   std::vector<float> keys(static_cast<size_t>(T) * hd);
@@ -223,7 +216,9 @@ struct GpuOut {
   std::vector<int32_t> sel, nsel;
 };
 
-GpuOut run_gpu(const ScoreCase& c, float head_scale, int64_t max_tokens, int topk) {
+// tensor_cores: dsa_index_scores's fp8 mma kernel where the shape allows it.
+GpuOut run_gpu(const ScoreCase& c, float head_scale, int64_t max_tokens, int topk,
+               bool tensor_cores) {
   auto d_q = cuda::to_device<cuda::bf16>(c.q);
   auto d_hw = cuda::to_device<cuda::bf16>(c.hw);
   auto d_kc = cuda::to_device<uint8_t>(c.kc);
@@ -237,7 +232,7 @@ GpuOut run_gpu(const ScoreCase& c, float head_scale, int64_t max_tokens, int top
   d_nsel.fill_bytes(0xf9);
   cuda::dsa_index_scores(d_q.data(), d_hw.data(), head_scale, c.rows, c.sh.nh, c.sh.hd, d_kc.data(),
                          d_sc.data(), d_table.data(), c.max_pages, d_seq.data(), c.sh.page,
-                         d_scores.data(), max_tokens, nullptr);
+                         d_scores.data(), max_tokens, tensor_cores, nullptr);
   cuda::dsa_topk(d_scores.data(), max_tokens, d_seq.data(), c.rows, topk, d_sel.data(),
                  d_nsel.data(), nullptr, nullptr);
   K3_CUDA_CHECK(cudaDeviceSynchronize());
@@ -264,10 +259,17 @@ TEST(CudaDsa, ScoresMatchCpuAndSelectionAgrees) {
     int topk;
     std::vector<int32_t> seq;
   };
+  // 80 rows of ~2k tokens: fewer CTAs per row than chunks, so the tensor-core kernel's CTAs
+  // walk several chunks each.
+  std::vector<int32_t> many(80);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = 1000 + static_cast<int32_t>(i) * 17;
   const Case cases[] = {
       {{4, 32, 16}, 8, {0, 1, 7, 8, 9, 61}},              // tiny-k3.1: 4 heads x 32, top-8
       {{32, 128, 64}, 2048, {1, 300, 2048, 2049, 5000}},  // K3.1 shapes
       {{8, 256, 64}, 100, {257, 1000}},                   // two scale blocks per key
+      {{64, 128, 16}, 512, {3, 700, 4099}},               // 64 heads (DeepSeek-V3.2's indexer)
+      {{16, 128, 64}, 64, {1, 65, 1000}},                 // one m-tile of heads
+      {{32, 128, 64}, 2048, many},
   };
   for (const Case& k : cases) {
     SCOPED_TRACE("nh " + std::to_string(k.sh.nh) + " hd " + std::to_string(k.sh.hd));
@@ -276,44 +278,49 @@ TEST(CudaDsa, ScoresMatchCpuAndSelectionAgrees) {
     for (int attempt = 0; attempt < kMaxRedraws && compared == 0; ++attempt) {
       const ScoreCase c = make_score_case(rng, k.sh, k.seq);
       const int64_t max_tokens = static_cast<int64_t>(c.max_pages) * k.sh.page + 5;
-      const GpuOut g = run_gpu(c, head_scale, max_tokens, k.topk);
+      const GpuOut outs[2] = {run_gpu(c, head_scale, max_tokens, k.topk, false),
+                              run_gpu(c, head_scale, max_tokens, k.topk, true)};
       for (int r = 0; r < c.rows; ++r) {
         SCOPED_TRACE("row " + std::to_string(r) + " T " + std::to_string(c.seq[r]));
         std::vector<float> sc;
         std::vector<double> mag;
         cpu_scores(c, r, head_scale, sc, mag);
-        const float* gs = &g.scores[static_cast<size_t>(r) * max_tokens];
-        int64_t bad = 0, first = -1;
-        double max_diff = 0;
-        for (int t = 0; t < c.seq[r]; ++t) {
-          const double lim = kScoreRel * mag[t] + 1e-30;
-          const double diff = std::fabs(static_cast<double>(gs[t]) - sc[t]);
-          max_diff = std::max(max_diff, diff);
-          if (!(diff <= lim) && bad++ == 0) first = t;
+        for (int v = 0; v < 2; ++v) {
+          SCOPED_TRACE(v ? "tensor-core kernel" : "CUDA-core kernel");
+          const GpuOut& g = outs[v];
+          const float* gs = &g.scores[static_cast<size_t>(r) * max_tokens];
+          int64_t bad = 0, first = -1;
+          double max_diff = 0;
+          for (int t = 0; t < c.seq[r]; ++t) {
+            const double lim = kScoreRel * mag[t] + 1e-30;
+            const double diff = std::fabs(static_cast<double>(gs[t]) - sc[t]);
+            max_diff = std::max(max_diff, diff);
+            if (!(diff <= lim) && bad++ == 0) first = t;
+          }
+          EXPECT_EQ(bad, 0) << "scores outside tolerance; first token " << first << " got "
+                            << (first >= 0 ? gs[first] : 0.f) << " cpu "
+                            << (first >= 0 ? sc[first] : 0.f);
+          for (int64_t t = c.seq[r]; t < max_tokens; ++t)
+            ASSERT_TRUE(std::isnan(gs[t])) << "score " << t << " past seq_len was written";
+          // Top-k of the GPU's own scores: exactly the CPU's set (same inputs).
+          const auto want = cpu_topk_row(gs, c.seq[r], k.topk);
+          const std::vector<int32_t> got(g.sel.begin() + static_cast<int64_t>(r) * k.topk,
+                                         g.sel.begin() + static_cast<int64_t>(r + 1) * k.topk);
+          EXPECT_EQ(got, want) << "top-k of the GPU scores";
+          EXPECT_EQ(g.nsel[r], std::min(c.seq[r], k.topk));
+          // End to end against the CPU's scores, when the boundary gap rules out a flip.
+          const int m = std::min(c.seq[r], k.topk);
+          if (m > 0 && m < c.seq[r]) {
+            std::vector<float> sorted(sc);
+            std::nth_element(sorted.begin(), sorted.begin() + (m - 1), sorted.end(),
+                             std::greater<float>());
+            const float kth = sorted[m - 1];
+            const float next = *std::max_element(sorted.begin() + m, sorted.end());
+            if (!(static_cast<double>(kth) - next > 2 * max_diff)) continue;
+            ++compared;  // a row where the selection really ranks
+          }
+          EXPECT_EQ(got, cpu_topk_row(sc.data(), c.seq[r], k.topk)) << "end-to-end selection";
         }
-        EXPECT_EQ(bad, 0) << "scores outside tolerance; first token " << first << " got "
-                          << (first >= 0 ? gs[first] : 0.f) << " cpu "
-                          << (first >= 0 ? sc[first] : 0.f);
-        for (int64_t t = c.seq[r]; t < max_tokens; ++t)
-          ASSERT_TRUE(std::isnan(gs[t])) << "score " << t << " past seq_len was written";
-        // Top-k of the GPU's own scores: exactly the CPU's set (same inputs).
-        const auto want = cpu_topk_row(gs, c.seq[r], k.topk);
-        const std::vector<int32_t> got(g.sel.begin() + static_cast<int64_t>(r) * k.topk,
-                                       g.sel.begin() + static_cast<int64_t>(r + 1) * k.topk);
-        EXPECT_EQ(got, want) << "top-k of the GPU scores";
-        EXPECT_EQ(g.nsel[r], std::min(c.seq[r], k.topk));
-        // End to end against the CPU's scores, when the boundary gap rules out a flip.
-        const int m = std::min(c.seq[r], k.topk);
-        if (m > 0 && m < c.seq[r]) {
-          std::vector<float> sorted(sc);
-          std::nth_element(sorted.begin(), sorted.begin() + (m - 1), sorted.end(),
-                           std::greater<float>());
-          const float kth = sorted[m - 1];
-          const float next = *std::max_element(sorted.begin() + m, sorted.end());
-          if (!(static_cast<double>(kth) - next > 2 * max_diff)) continue;
-          ++compared;  // a row where the selection really ranks
-        }
-        EXPECT_EQ(got, cpu_topk_row(sc.data(), c.seq[r], k.topk)) << "end-to-end selection";
       }
     }
     EXPECT_GT(compared, 0) << "every ranking row of every draw had a near-tie at the boundary";
@@ -379,7 +386,7 @@ TEST(CudaDsa, RefusesUnsupportedShapes) {
                                           nullptr, 16, nullptr, nullptr, nullptr),
                Error);
   EXPECT_THROW(cuda::dsa_index_scores(nullptr, nullptr, 1.0f, 1, 128, 128, nullptr, nullptr,
-                                      nullptr, 1, nullptr, 16, nullptr, 16, nullptr),
+                                      nullptr, 1, nullptr, 16, nullptr, 16, false, nullptr),
                Error);
   EXPECT_THROW(cuda::dsa_topk(nullptr, 16, nullptr, 1, 0, nullptr, nullptr, nullptr, nullptr),
                Error);
