@@ -1,14 +1,15 @@
-// k3_bench_attn: KDA decode step, MLA absorbed decode and router top-k at Kimi K3 per-rank
-// shapes vs the H200 read curve (shared/spec/h200-ceilings.md), a correctness check per line.
-// Timing as bench_linear.cu: one CUDA graph of R back-to-back launches, each on its own copy of
-// the big operand (KDA: distinct state + conv slots; MLA: distinct cache pages), R so one replay
-// touches > 132 MB (2.2x L2): state / cache reads are cold. us = median of 50 replays / R. Small
-// operands (KDA u/f/z/beta, MLA q) are one copy; the router is tiny: warm, R = 32 on one copy.
+// k3_bench_attn: KDA decode step, MLA absorbed decode, router top-k (here) and the DSA indexer
+// (bench_dsa.cu) at Kimi K3 per-rank shapes vs the H200 read curve (shared/spec/h200-ceilings.md),
+// a correctness check per line. Timing (attn_harness.h): one CUDA graph of R back-to-back
+// launches, each on its own copy of the big operand (KDA: distinct state + conv slots; MLA:
+// distinct cache pages), R so one replay touches > 132 MB (2.2x L2): state / cache reads are
+// cold. us = median of 50 replays / R. Small operands (KDA u/f/z/beta, MLA q) are one copy; the
+// router is tiny: warm, R = 32 on one copy.
 // Bytes: KDA per (row, head) 2 D^2 sizeof(state) + 3D (kernel-1) 2 2 (conv window r+w) +
 // (6D + 1) 2 (u, f, z, beta, out), as kda_decode.cu; MLA rows seq_len 1152 + q (rows heads 576 2)
 // + o (rows heads 512 4, fp32); router rows E 4 + E 4 (bias) + rows top_k 8.
 // check: max |gpu - ref| / rms(ref) on row 0 (KDA out + state vs the CPU chain of layer_kda.cpp;
-// MLA all heads vs float64; router ids + weights vs cpu::route). [--filter kda|mla|router]
+// MLA all heads vs float64; router ids + weights vs cpu::route). [--filter kda|mla|router|dsa]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "attn_harness.h"
+#include "bench_dsa.h"
 #include "core/numeric.h"
 #include "core/rng.h"
 #include "cpu/ops_basic.h"
@@ -38,101 +41,16 @@
 namespace k3 {
 namespace {
 
+using bench::copies_for;
+using bench::floats;
+using bench::fmt;
+using bench::maxrel;
+using bench::random_bf16;
+using bench::record;
+using bench::Result;
+using bench::Timer;
 using cuda::bf16;
 using cuda::DeviceBuffer;
-
-constexpr double kPeakTBps = 4.3;
-constexpr double kColdBytes = 2.2 * 60e6;
-constexpr int kReplays = 50;
-constexpr int kMaxCopies = 1024;
-
-struct Result {
-  std::string kernel, shape, check;
-  int rows = 0;
-  double bytes = 0, us = 0;
-  bool warm = false;
-};  // GB/s = bytes / us; %curve against h200_read_curve_tbps(bytes)
-std::vector<Result> g_results;
-
-int copies_for(double bytes_per_copy) {
-  return std::clamp(static_cast<int>(std::ceil(kColdBytes / bytes_per_copy)), 1, kMaxCopies);
-}
-
-struct Timer {  // lives for the whole run: nothing to release
-  cudaStream_t st = nullptr;
-  cudaEvent_t a, b;
-  Timer() {
-    K3_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    K3_CUDA_CHECK(cudaEventCreate(&a));
-    K3_CUDA_CHECK(cudaEventCreate(&b));
-  }
-  // Median per-launch time of R back-to-back launches (copies 0..R-1) in one graph.
-  double batched_us(const std::function<void(int, cudaStream_t)>& enqueue, int R) {
-    enqueue(0, st);  // eager warm-up
-    K3_CUDA_CHECK(cudaStreamSynchronize(st));
-    cudaGraph_t g;
-    cudaGraphExec_t e;
-    K3_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int c = 0; c < R; ++c) enqueue(c, st);
-    K3_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-    K3_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-    K3_CUDA_CHECK(cudaGraphDestroy(g));
-    std::vector<double> t;
-    for (int i = 0; i < kReplays + 3; ++i) {
-      K3_CUDA_CHECK(cudaEventRecord(a, st));
-      K3_CUDA_CHECK(cudaGraphLaunch(e, st));
-      K3_CUDA_CHECK(cudaEventRecord(b, st));
-      K3_CUDA_CHECK(cudaEventSynchronize(b));
-      float ms = 0;
-      K3_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
-      if (i >= 3) t.push_back(1000.0 * ms / R);
-    }
-    K3_CUDA_CHECK(cudaGraphExecDestroy(e));
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];  // median
-  }
-};
-
-std::vector<uint16_t> random_bf16(Rng& rng, size_t n, float scale) {
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = float_to_bf16(scale * rng.normal());
-  return v;
-}
-std::vector<float> floats(const std::vector<uint16_t>& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_float(b[i]);
-  return f;
-}
-// max |got - ref| / rms(ref); inf when any value is not finite.
-double maxrel(const float* got, const double* ref, size_t n) {
-  double num = 0, ss = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const double d = std::fabs(static_cast<double>(got[i]) - ref[i]);
-    num = std::isfinite(d) ? std::max(num, d) : INFINITY;
-    ss += ref[i] * ref[i];
-  }
-  return num / std::sqrt(ss / static_cast<double>(n) + 1e-300);
-}
-std::string fmt(const char* f, double a, double b = 0) {
-  char s[96];
-  std::snprintf(s, sizeof s, f, a, b);
-  return s;
-}
-
-void print(const Result& r, bool table) {
-  const double gbps = r.bytes / (r.us * 1e-6) / 1e9;
-  const double curve = cuda::h200_read_curve_tbps(r.bytes) * 1e3;
-  std::printf(table ? "%-6s %-22s %4d %9.2f %7.0f %6.1f %6.1f  %s%s\n"
-                    : "%-6s %-22s rows=%-3d %9.2f us  %7.1f GB/s  %5.1f%% of 4.3T  %5.1f%% of "
-                      "curve  %s%s\n",
-              r.kernel.c_str(), r.shape.c_str(), r.rows, r.us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-              100 * gbps / curve, r.check.c_str(), r.warm ? (table ? " warm" : " [warm]") : "");
-  std::fflush(stdout);
-}
-void record(Result r) {
-  print(r, false);
-  g_results.push_back(std::move(r));
-}
 
 // ---- KDA decode step ----
 template <typename StateT>
@@ -209,8 +127,8 @@ void bench_kda(Timer& t, int H, int rows, Rng& rng) {
   K3_CUDA_CHECK(cudaMemcpy(winb.data(), conv.data(), 2 * winb.size(), cudaMemcpyDeviceToHost));
   std::vector<float> win = floats(winb);
   out.fill_bytes(0xff);
-  op(0, t.st);
-  K3_CUDA_CHECK(cudaStreamSynchronize(t.st));
+  op(0, t.stream());
+  K3_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
   const std::vector<float> got_out = floats(cuda::to_host<uint16_t>(out));
   const std::vector<float> got_S = host_state();
   std::vector<float> uf = floats(u), ff = floats(f), zf = floats(z), qkv(3 * Pz), g(Pz), beta(H),
@@ -288,8 +206,8 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, int ring, int sms, Rng& r
   r.us = t.batched_us(op, R);
   // Check: row 0 (all heads) against float64 over the base pages.
   out.fill_bytes(0xff);
-  op(0, t.st);
-  K3_CUDA_CHECK(cudaStreamSynchronize(t.st));
+  op(0, t.stream());
+  K3_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
   std::vector<float> got(static_cast<size_t>(heads) * kKvLora);
   K3_CUDA_CHECK(cudaMemcpy(got.data(), out.data(), 4 * got.size(), cudaMemcpyDeviceToHost));
   const std::vector<float> cf = floats(base);
@@ -339,8 +257,8 @@ void bench_router(Timer& t, int rows, bool merge_tree, Rng& rng) {
   r.us = t.batched_us(op, 32);  // 32 launches on one (L2-warm) copy
   // Check: row 0 against cpu::route with an fp32 identity gate (its GEMM returns the logits).
   ids.fill_bytes(0xff), wts.fill_bytes(0xff);
-  op(0, t.st);
-  K3_CUDA_CHECK(cudaStreamSynchronize(t.st));
+  op(0, t.stream());
+  K3_CUDA_CHECK(cudaStreamSynchronize(t.stream()));
   const auto gi = cuda::to_host<int32_t>(ids);
   const auto gw = cuda::to_host<float>(wts);
   std::vector<float> eye(static_cast<size_t>(E) * E, 0.0f);
@@ -365,8 +283,10 @@ void bench_router(Timer& t, int rows, bool merge_tree, Rng& rng) {
 int main(int argc, char** argv) {
   using namespace k3;
   const std::string filter = argc == 3 && !std::strcmp(argv[1], "--filter") ? argv[2] : "";
-  if (argc != 1 && filter.empty()) {
-    std::fprintf(stderr, "usage: k3_bench_attn [--filter kda|mla|router]\n");
+  const bool known = filter.empty() || filter == "kda" || filter == "mla" || filter == "router" ||
+                     filter == "dsa";
+  if ((argc != 1 && filter.empty()) || !known) {
+    std::fprintf(stderr, "usage: k3_bench_attn [--filter kda|mla|router|dsa]\n");
     return 2;
   }
   int ndev = 0;
@@ -398,10 +318,13 @@ int main(int argc, char** argv) {
     if (want("router"))
       for (int rows : row_counts)
         for (bool tree : {false, true}) bench_router(t, rows, tree, rng);
-
-    std::printf("\n%-6s %-22s %4s %9s %7s %6s %6s  %s\n", "kernel", "shape", "rows", "us", "GB/s",
-                "%4.3T", "%curve", "check");
-    for (const auto& r : g_results) print(r, true);
+    if (want("dsa"))  // K3.1's indexer: 32 heads x 128, top 2048
+      for (int ctx : {32768, 131072})
+        for (int rows : {1, 8}) {
+          for (bool mma : {false, true}) bench::bench_dsa_scores(t, rows, ctx, mma, rng);
+          bench::bench_dsa_topk(t, rows, ctx, rng);
+        }
+    bench::print_table();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

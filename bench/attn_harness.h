@@ -1,0 +1,51 @@
+// The timing harness of k3_bench_attn (bench_attention.cu: KDA, MLA, router; bench_dsa.cu: the
+// DSA indexer): one CUDA graph of R back-to-back launches, each on its own copy of the big
+// operand, R so one replay touches > 132 MB (2.2x L2), us = median of 50 replays / R; a result
+// line per case with its bytes, GB/s, % of 4.3 TB/s and of the read curve at its size, and a
+// correctness check.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/rng.h"
+
+namespace k3::bench {
+
+struct Result {
+  std::string kernel, shape, check;
+  int rows = 0;
+  double bytes = 0, us = 0;
+  bool warm = false;  // timed on one L2-resident copy
+};
+
+// Copies of an operand of bytes_per_copy that one replay walks so that it is cold in L2.
+int copies_for(double bytes_per_copy);
+
+class Timer {
+ public:
+  Timer();
+  // Median per-launch time of R back-to-back launches (copies 0..R-1) in one graph.
+  double batched_us(const std::function<void(int, cudaStream_t)>& enqueue, int R);
+  cudaStream_t stream() const { return st_; }
+
+ private:
+  cudaStream_t st_ = nullptr;  // lives for the whole run: nothing to release
+  cudaEvent_t a_, b_;
+};
+
+std::vector<uint16_t> random_bf16(Rng& rng, size_t n, float scale);  // bf16 bits
+std::vector<float> floats(const std::vector<uint16_t>& bf16_bits);
+// max |got - ref| / rms(ref); inf when any value is not finite.
+double maxrel(const float* got, const double* ref, size_t n);
+std::string fmt(const char* f, double a, double b = 0);
+
+// Prints the result's line and keeps it for the table print_table() prints last.
+void record(Result r);
+void print_table();
+
+}  // namespace k3::bench
