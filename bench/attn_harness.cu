@@ -67,6 +67,13 @@ double Timer::batched_us(const std::function<void(int, cudaStream_t)>& enqueue, 
   return t[t.size() / 2];  // median
 }
 
+cuda::DeviceBuffer<int32_t> run_page_tables(size_t runs, int ppr) {
+  std::vector<int32_t> bt(runs * ppr);  // [runs][ppr]
+  for (size_t b = 0; b < runs; ++b)
+    for (int p = 0; p < ppr; ++p) bt[b * ppr + p] = static_cast<int32_t>(b * ppr + p);
+  return cuda::to_device<int32_t>(bt);
+}
+
 std::vector<uint16_t> random_bf16(Rng& rng, size_t n, float scale) {
   std::vector<uint16_t> v(n);
   for (auto& x : v) x = float_to_bf16(scale * rng.normal());

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "core/rng.h"
+#include "cuda/check.h"
+#include "cuda/device_buffer.h"
 
 namespace k3::bench {
 
@@ -43,6 +45,22 @@ std::vector<float> floats(const std::vector<uint16_t>& bf16_bits);
 // max |got - ref| / rms(ref); inf when any value is not finite.
 double maxrel(const float* got, const double* ref, size_t n);
 std::string fmt(const char* f, double a, double b = 0);
+
+// A device buffer [runs][host.size()] holding `host` in every run (the copies a cold replay
+// walks; the copies after the first are made on the device).
+template <typename T, typename H>
+cuda::DeviceBuffer<T> replicated(const std::vector<H>& host, size_t runs) {
+  static_assert(sizeof(T) == sizeof(H), "host and device element sizes differ");
+  const size_t n = host.size();
+  cuda::DeviceBuffer<T> d(runs * n);
+  cuda::copy_to_device(d, host.data(), n);
+  for (size_t b = 1; b < runs; ++b)
+    K3_CUDA_CHECK(cudaMemcpy(d.data() + b * n, d.data(), n * sizeof(T), cudaMemcpyDeviceToDevice));
+  return d;
+}
+
+// Page tables [runs][ppr] of `runs` distinct page runs: run b holds pages b ppr .. b ppr + ppr - 1.
+cuda::DeviceBuffer<int32_t> run_page_tables(size_t runs, int ppr);
 
 // Prints the result's line and keeps it for the table print_table() prints last.
 void record(Result r);

@@ -172,15 +172,8 @@ void bench_mla(Timer& t, int heads, int ctx, int rows, int ring, int sms, Rng& r
   const size_t blocks = static_cast<size_t>(R) * rows;  // one distinct page run per (copy, row)
   // One row's pages on the host, replicated into every (copy, row) run on the device.
   const auto base = random_bf16(rng, row_elems, 1.0f);
-  DeviceBuffer<bf16> cache(blocks * row_elems);
-  cuda::copy_to_device(cache, reinterpret_cast<const bf16*>(base.data()), row_elems);
-  for (size_t b = 1; b < blocks; ++b)
-    K3_CUDA_CHECK(cudaMemcpy(cache.data() + b * row_elems, cache.data(), row_elems * 2,
-                             cudaMemcpyDeviceToDevice));
-  std::vector<int32_t> bt(blocks * ppr);  // [copy][row][ppr]
-  for (size_t b = 0; b < blocks; ++b)
-    for (int p = 0; p < ppr; ++p) bt[b * ppr + p] = static_cast<int32_t>(b * ppr + p);
-  const auto d_bt = cuda::to_device<int32_t>(bt);
+  const DeviceBuffer<bf16> cache = bench::replicated<bf16>(base, blocks);
+  const auto d_bt = bench::run_page_tables(blocks, ppr);  // [copy][row][ppr]
   const auto d_seq = cuda::to_device<int32_t>(std::vector<int32_t>(rows, ctx));
   const auto q_abs = random_bf16(rng, static_cast<size_t>(rows) * heads * kKvLora, 1.0f);
   const auto q_pe = random_bf16(rng, static_cast<size_t>(rows) * heads * kRope, 1.0f);
@@ -283,8 +276,8 @@ void bench_router(Timer& t, int rows, bool merge_tree, Rng& rng) {
 int main(int argc, char** argv) {
   using namespace k3;
   const std::string filter = argc == 3 && !std::strcmp(argv[1], "--filter") ? argv[2] : "";
-  const bool known = filter.empty() || filter == "kda" || filter == "mla" || filter == "router" ||
-                     filter == "dsa";
+  const bool known =
+      filter.empty() || filter == "kda" || filter == "mla" || filter == "router" || filter == "dsa";
   if ((argc != 1 && filter.empty()) || !known) {
     std::fprintf(stderr, "usage: k3_bench_attn [--filter kda|mla|router|dsa]\n");
     return 2;

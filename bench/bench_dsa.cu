@@ -42,20 +42,9 @@ void bench_dsa_scores(Timer& t, int rows, int ctx, bool mma, Rng& rng) {
     cpu::quantize_fp8_blocks(x.data(), kHd, kHd, &kc[s * kHd], &ks[s]);
   }
   const size_t runs = static_cast<size_t>(R) * rows;
-  DeviceBuffer<uint8_t> d_kc(runs * kc.size());
-  DeviceBuffer<float> d_ks(runs * ks.size());
-  cuda::copy_to_device(d_kc, kc.data(), kc.size());
-  cuda::copy_to_device(d_ks, ks.data(), ks.size());
-  for (size_t b = 1; b < runs; ++b) {
-    K3_CUDA_CHECK(
-        cudaMemcpy(d_kc.data() + b * kc.size(), d_kc.data(), kc.size(), cudaMemcpyDeviceToDevice));
-    K3_CUDA_CHECK(cudaMemcpy(d_ks.data() + b * ks.size(), d_ks.data(), ks.size() * 4,
-                             cudaMemcpyDeviceToDevice));
-  }
-  std::vector<int32_t> bt(runs * ppr);  // [copy][row][ppr]
-  for (size_t b = 0; b < runs; ++b)
-    for (int p = 0; p < ppr; ++p) bt[b * ppr + p] = static_cast<int32_t>(b * ppr + p);
-  const auto d_bt = cuda::to_device<int32_t>(bt);
+  const auto d_kc = replicated<uint8_t>(kc, runs);
+  const auto d_ks = replicated<float>(ks, runs);
+  const auto d_bt = run_page_tables(runs, ppr);  // [copy][row][ppr]
   const auto d_seq = cuda::to_device<int32_t>(std::vector<int32_t>(rows, ctx));
   const auto q = random_bf16(rng, static_cast<size_t>(rows) * kNh * kHd, 1.0f);
   const auto w = random_bf16(rng, static_cast<size_t>(rows) * kNh, 1.0f);
@@ -106,12 +95,7 @@ void bench_dsa_topk(Timer& t, int rows, int ctx, Rng& rng) {
   const int R = copies_for(static_cast<double>(rows) * ctx * 4);
   std::vector<float> sc(static_cast<size_t>(ctx));
   for (float& v : sc) v = rng.normal();
-  const size_t runs = static_cast<size_t>(R) * rows;
-  DeviceBuffer<float> d_sc(runs * sc.size());
-  cuda::copy_to_device(d_sc, sc.data(), sc.size());
-  for (size_t b = 1; b < runs; ++b)
-    K3_CUDA_CHECK(cudaMemcpy(d_sc.data() + b * sc.size(), d_sc.data(), sc.size() * 4,
-                             cudaMemcpyDeviceToDevice));
+  const auto d_sc = replicated<float>(sc, static_cast<size_t>(R) * rows);
   const auto d_seq = cuda::to_device<int32_t>(std::vector<int32_t>(rows, ctx));
   DeviceBuffer<int32_t> sel(static_cast<size_t>(rows) * kTopk), nsel(rows);
   auto op = [&](int c, cudaStream_t s) {
