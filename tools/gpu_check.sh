@@ -11,7 +11,7 @@
 # Environment: K3_GPU_FILTER (gtest filter), K3_SKIP_OPS / K3_SKIP_ATTN / K3_SKIP_STEP /
 # K3_SKIP_DIFF (skip a part), K3_STEP_ARGS (flags for k3_bench_step, e.g. "--layers 8 --batch 1,8,64"),
 # K3_STEP_VARIANTS (space-separated variants, each VAR=VALUE or several joined by commas, e.g.
-# "K3_CUBLAS_PLANS=0 K3_MLA_MMA=1,K3_MLA_RING=4": k3_bench_step once more under each, without the
+# "K3_CUBLAS_PLANS=0 K3_MLA_RING=4,K3_DSA_MMA=0": k3_bench_step once more under each, without the
 # flips, into bench_step_<variant>.log),
 # K3_TEST_VARIANTS (variants as above: k3_gpu_tests once more under each, with
 # K3_TEST_VARIANT_FILTER as its gtest filter if set, e.g. "CudaMla*:CudaStepDiff*"),
@@ -37,7 +37,7 @@ source tools/gpu_bins.sh "$log" || exit 1
 echo "== k3_gpu_tests" | tee -a "$log"
 "$bin_dir/k3_gpu_tests" --gtest_brief=1 ${K3_GPU_FILTER:+--gtest_filter=$K3_GPU_FILTER} 2>&1 | tee -a "$log"
 tests_rc=${PIPESTATUS[0]}
-# The suite again under each VAR=VALUE switch of K3_TEST_VARIANTS (e.g. "K3_MLA_MMA=1"), with
+# The suite again under each VAR=VALUE switch of K3_TEST_VARIANTS (e.g. "K3_MLA_MMA=0"), with
 # K3_TEST_VARIANT_FILTER (else K3_GPU_FILTER) if set; a failure there fails the tests.
 variant_filter="${K3_TEST_VARIANT_FILTER:-${K3_GPU_FILTER:-}}"
 for variant in ${K3_TEST_VARIANTS:-}; do

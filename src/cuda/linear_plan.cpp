@@ -374,12 +374,12 @@ std::atomic<bool>& mxfp4_gemv_flag() {
 }  // namespace
 
 bool mla_tensor_cores() {
-  static const bool on = env_switch("K3_MLA_MMA", false);
+  static const bool on = env_switch("K3_MLA_MMA", true);
   return on;
 }
 
 bool dsa_tensor_cores() {
-  static const bool on = env_switch("K3_DSA_MMA", false);
+  static const bool on = env_switch("K3_DSA_MMA", true);
   return on;
 }
 

@@ -147,10 +147,10 @@ void set_cublas_plans(bool on);
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
 // The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
-// steps' attention (K3_MLA_MMA=1; off by default until its GPU tests pass).
+// steps' attention (on by default; K3_MLA_MMA=0 keeps the fp32 CUDA-core kernel).
 bool mla_tensor_cores();
 // The DSA index scores on fp8 tensor cores (dsa_index_scores's tensor_cores, dsa_indexer.h) for
-// the steps' K3.1 layers (K3_DSA_MMA=1; off by default until its GPU tests pass).
+// the steps' K3.1 layers (on by default; K3_DSA_MMA=0 keeps the CUDA-core kernel).
 bool dsa_tensor_cores();
 // Cache tiles in the tensor-core MLA split kernel's ring (MlaDecodePlan::ring_tiles; K3_MLA_RING
 // = 2, the default, 4 or 5; anything else raises k3::Error).

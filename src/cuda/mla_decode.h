@@ -41,9 +41,8 @@ struct MlaDecodePlan {
   int splits = 0;           // CTAs along the token axis
   // Asks for the split kernel on tensor cores (bf16 mma, P as three bf16 terms, every mma's
   // result added in fp32) instead of CUDA cores: 3-9x faster (bench/RESULTS.md, nineteenth
-  // stop). The backbone sets it from cuda::mla_tensor_cores() (K3_MLA_MMA=1, off until its GPU
-  // tests pass with the fp32 kernel's tolerances); plan_mla_decode clears it for shapes that take
-  // the generic kernel.
+  // stop). The backbone sets it from cuda::mla_tensor_cores() (on by default, K3_MLA_MMA=0 for
+  // the fp32 kernel); plan_mla_decode clears it for shapes that take the generic kernel.
   bool tensor_cores = false;
   // Cache tiles in the tensor-core split kernel's shared-memory ring: 2 (one in flight while one
   // is used, two CTAs per SM), or 4 / 5 (three / four in flight, one CTA per SM, half the
