@@ -315,7 +315,7 @@ int main(int argc, char** argv) {
       for (int ctx : {32768, 131072})
         for (int rows : {1, 8}) {
           for (bool mma : {false, true}) bench::bench_dsa_scores(t, rows, ctx, mma, rng);
-          bench::bench_dsa_topk(t, rows, ctx, rng);
+          for (bool split : {false, true}) bench::bench_dsa_topk(t, rows, ctx, split, rng);
         }
     bench::print_table();
   } catch (const std::exception& e) {

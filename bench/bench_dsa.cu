@@ -90,7 +90,7 @@ void bench_dsa_scores(Timer& t, int rows, int ctx, bool mma, Rng& rng) {
   record(r);
 }
 
-void bench_dsa_topk(Timer& t, int rows, int ctx, Rng& rng) {
+void bench_dsa_topk(Timer& t, int rows, int ctx, bool split, Rng& rng) {
   const double bytes = static_cast<double>(rows) * ctx * 4 + rows * kTopk * 4.0;
   const int R = copies_for(static_cast<double>(rows) * ctx * 4);
   std::vector<float> sc(static_cast<size_t>(ctx));
@@ -98,11 +98,13 @@ void bench_dsa_topk(Timer& t, int rows, int ctx, Rng& rng) {
   const auto d_sc = replicated<float>(sc, static_cast<size_t>(R) * rows);
   const auto d_seq = cuda::to_device<int32_t>(std::vector<int32_t>(rows, ctx));
   DeviceBuffer<int32_t> sel(static_cast<size_t>(rows) * kTopk), nsel(rows);
+  DeviceBuffer<uint8_t> ws(cuda::dsa_topk_workspace_bytes(rows, ctx, kTopk));
+  ws.fill_bytes(0);
   auto op = [&](int c, cudaStream_t s) {
     cuda::dsa_topk(d_sc.data() + static_cast<size_t>(c) * rows * ctx, ctx, d_seq.data(), rows,
-                   kTopk, sel.data(), nsel.data(), nullptr, s);
+                   kTopk, sel.data(), nsel.data(), ws.data(), split, s);
   };
-  Result r{"dsa", "top2048 " + ctx_name(ctx), "", rows, bytes};
+  Result r{"dsa", "top2048 " + ctx_name(ctx) + (split ? " split" : " 1cta"), "", rows, bytes};
   r.us = t.batched_us(op, R);
   sel.fill_bytes(0xff);
   op(0, t.stream());

@@ -13,8 +13,8 @@ namespace k3::bench {
 // token's magnitude sum_h |w_h| sum_j |q_hj k_j| (the GPU tests' bound).
 void bench_dsa_scores(Timer& t, int rows, int ctx, bool mma, Rng& rng);
 
-// dsa_topk of rows x ctx fp32 scores (one CTA per row). Bytes: the scores once. Check: row 0's
-// selection against cpu::dsa_topk.
-void bench_dsa_topk(Timer& t, int rows, int ctx, Rng& rng);
+// dsa_topk of rows x ctx fp32 scores, split (two multi-CTA kernels) or one CTA per row. Bytes:
+// the scores once. Check: row 0's selection against cpu::dsa_topk.
+void bench_dsa_topk(Timer& t, int rows, int ctx, bool split, Rng& rng);
 
 }  // namespace k3::bench

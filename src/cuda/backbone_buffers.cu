@@ -3,6 +3,7 @@
 
 #include "core/error.h"
 #include "cuda/backbone_buffers.h"
+#include "cuda/dsa_indexer.h"
 #include "cuda/router.h"
 
 namespace k3::cuda {
@@ -111,6 +112,9 @@ CudaBackbone::Buffers::Buffers(const ModelConfig& cfg, const DeviceWeights& w, i
     dsa_scores = make<float>(R * max_context);
     dsa_sel = make<int32_t>(R * d.index_topk);
     dsa_nsel = make<int32_t>(R);
+    dsa_ws =
+        make<uint8_t>(static_cast<int64_t>(dsa_topk_workspace_bytes(R, max_context, d.index_topk)));
+    dsa_ws.fill_bytes(0);  // dsa_topk leaves it zeroed after every call
   }
   router_logits = make<float>(R * E);
   expert_ids = make<int32_t>(R * k);

@@ -60,7 +60,7 @@ struct CudaBackbone::Buffers {
   DeviceBuffer<float> dsa_scores;         // [rows][max_context] fp32
   DeviceBuffer<int32_t> dsa_sel;          // [rows][index_topk] int32
   DeviceBuffer<int32_t> dsa_nsel;         // [rows] int32
-  DeviceBuffer<uint8_t> dsa_ws;           // top-k workspace
+  DeviceBuffer<uint8_t> dsa_ws;           // dsa_topk's workspace (zeroed)
   // MoE and dense FFN.
   DeviceBuffer<float> router_logits;  // [rows][E] fp32
   DeviceBuffer<int32_t> expert_ids;   // [rows][top_k] int32

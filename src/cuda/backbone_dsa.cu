@@ -32,7 +32,7 @@ void CudaBackbone::dsa_select(int l, int64_t R) {
                    pool_->pages_per_slot(), b.row_seq.data(), pool_->page_size(),
                    b.dsa_scores.data(), pool_->max_context(), dsa_tensor_cores(), stream_);
   dsa_topk(b.dsa_scores.data(), pool_->max_context(), b.row_seq.data(), R, dc.index_topk,
-           b.dsa_sel.data(), b.dsa_nsel.data(), b.dsa_ws.data(), stream_);
+           b.dsa_sel.data(), b.dsa_nsel.data(), b.dsa_ws.data(), dsa_topk_split(), stream_);
 }
 
 }  // namespace k3::cuda

@@ -9,11 +9,10 @@
 //
 // Bytes per decode row: key append hd + 4 * blocks (132 B for K3.1); scores read
 // seq_len x 132 B of keys (131072 tokens: 17 MB per row per layer) plus nh x hd x 2 B of q;
-// top-k reads the scores 5 times (4 radix passes and the compaction: 2.6 MB at 131072 tokens).
-// Measured on H200 at K3.1 shapes (nh 32, hd 128, 131072 tokens): scores ~210 us per row
-// (~90 GB/s of keys: bound by the per-head warp reductions, not by HBM), top-k ~216 us per row
-// (one CTA per row, so rows run in parallel: 32 rows also take ~220 us). The scores have an fp8
-// tensor-core form (tensor_cores below, not yet measured); a multi-CTA select is still to do.
+// the split top-k reads the scores twice (1 MB per row at 131072 tokens), then its candidates.
+// Measured on an H100 at K3.1 shapes (nh 32, hd 128): scores on fp8 tensor cores 14.5 / 22 us
+// per row at 32768 / 131072 tokens (CUDA cores: 130 / 214 us, bound by the per-head warp
+// reductions); the one-CTA-per-row top-k 51 / 239 us (bench/RESULTS.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -46,7 +45,7 @@ void dsa_index_key_append(const __nv_bfloat16* key, int64_t rows, int hd, const 
 // scores:  [rows][max_tokens] fp32
 // tensor_cores: where hd is 128 and nh a multiple of 16 up to 64 (K3.1: 32 x 128), the scores as
 // one fp8 mma GEMM of the E4M3 queries and keys (dsa_scores_mma.cu; the backbone passes
-// cuda::dsa_tensor_cores(), K3_DSA_MMA=1, off until its GPU tests pass); other shapes take the
+// cuda::dsa_tensor_cores(), on unless K3_DSA_MMA=0); other shapes take the
 // CUDA-core kernel either way.
 void dsa_index_scores(const __nv_bfloat16* q, const __nv_bfloat16* head_w, float head_scale,
                       int64_t rows, int nh, int hd, const uint8_t* key_cache,
@@ -54,18 +53,24 @@ void dsa_index_scores(const __nv_bfloat16* q, const __nv_bfloat16* head_w, float
                       const int32_t* seq_len, int page_size, float* scores, int64_t max_tokens,
                       bool tensor_cores, cudaStream_t stream);
 
-// Scratch bytes dsa_topk needs: none (its histograms live in shared memory); kept so callers
-// size a workspace once if a later version needs one.
+// Workspace bytes dsa_topk needs for up to `rows` rows of `stride` scores: per row a histogram,
+// counters, a bitmap of the scores and a candidate list (~4.1 B per score).
 size_t dsa_topk_workspace_bytes(int64_t rows, int64_t stride, int topk);
 
 // Per row, T = min(seq_len[r], stride): the indices of the min(topk, T) largest scores, ties
 // broken by the lower index (cpu::dsa_topk's set), in ascending order; selected[r][m..topk)
 // = -1, n_selected[r] = m. -0 and +0 are equal scores, as on the CPU; NaN scores are not
-// supported (the CPU raises on them). One CTA per row: 4 radix-select passes over the
-// order-preserving bits, then an ordered compaction.
-// scores:   [rows][stride] fp32; seq_len: [rows] int32 (device)
-// selected: [rows][topk] int32; n_selected: [rows] int32; workspace: may be null
+// supported (the CPU raises on them). split (dsa_topk.cu; the backbone passes
+// cuda::dsa_topk_split(), K3_DSA_TOPK_SPLIT=1, off until its GPU tests pass): many CTAs per row,
+// a histogram of the keys' top bits, then the scores above the threshold bin into a bitmap and a
+// radix select among those in it. Else one CTA per row: 4 radix-select passes over the
+// order-preserving bits, then an ordered compaction (workspace unused). rows <= 65535.
+// scores:    [rows][stride] fp32; seq_len: [rows] int32 (device)
+// selected:  [rows][topk] int32; n_selected: [rows] int32
+// workspace: dsa_topk_workspace_bytes(rows, stride, topk) bytes, zeroed once before the first
+//            split call (every call leaves it zeroed); one stream at a time
 void dsa_topk(const float* scores, int64_t stride, const int32_t* seq_len, int64_t rows, int topk,
-              int32_t* selected, int32_t* n_selected, void* workspace, cudaStream_t stream);
+              int32_t* selected, int32_t* n_selected, void* workspace, bool split,
+              cudaStream_t stream);
 
 }  // namespace k3::cuda

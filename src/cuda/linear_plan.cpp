@@ -383,6 +383,11 @@ bool dsa_tensor_cores() {
   return on;
 }
 
+bool dsa_topk_split() {
+  static const bool on = env_switch("K3_DSA_TOPK_SPLIT", false);
+  return on;
+}
+
 int mla_ring_tiles() {
   static const int tiles = [] {
     const char* v = std::getenv("K3_MLA_RING");

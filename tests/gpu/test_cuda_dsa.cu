@@ -216,9 +216,10 @@ struct GpuOut {
   std::vector<int32_t> sel, nsel;
 };
 
-// tensor_cores: dsa_index_scores's fp8 mma kernel where the shape allows it.
+// tensor_cores: dsa_index_scores's fp8 mma kernel where the shape allows it; split: the
+// multi-CTA top-k.
 GpuOut run_gpu(const ScoreCase& c, float head_scale, int64_t max_tokens, int topk,
-               bool tensor_cores) {
+               bool tensor_cores, bool split) {
   auto d_q = cuda::to_device<cuda::bf16>(c.q);
   auto d_hw = cuda::to_device<cuda::bf16>(c.hw);
   auto d_kc = cuda::to_device<uint8_t>(c.kc);
@@ -230,11 +231,13 @@ GpuOut run_gpu(const ScoreCase& c, float head_scale, int64_t max_tokens, int top
   d_scores.fill_bytes(0xff);
   d_sel.fill_bytes(0xf9);
   d_nsel.fill_bytes(0xf9);
+  DeviceBuffer<uint8_t> d_ws(cuda::dsa_topk_workspace_bytes(c.rows, max_tokens, topk));
+  d_ws.fill_bytes(0);
   cuda::dsa_index_scores(d_q.data(), d_hw.data(), head_scale, c.rows, c.sh.nh, c.sh.hd, d_kc.data(),
                          d_sc.data(), d_table.data(), c.max_pages, d_seq.data(), c.sh.page,
                          d_scores.data(), max_tokens, tensor_cores, nullptr);
   cuda::dsa_topk(d_scores.data(), max_tokens, d_seq.data(), c.rows, topk, d_sel.data(),
-                 d_nsel.data(), nullptr, nullptr);
+                 d_nsel.data(), d_ws.data(), split, nullptr);
   K3_CUDA_CHECK(cudaDeviceSynchronize());
   return {cuda::to_host<float>(d_scores), cuda::to_host<int32_t>(d_sel),
           cuda::to_host<int32_t>(d_nsel)};
@@ -278,15 +281,15 @@ TEST(CudaDsa, ScoresMatchCpuAndSelectionAgrees) {
     for (int attempt = 0; attempt < kMaxRedraws && compared == 0; ++attempt) {
       const ScoreCase c = make_score_case(rng, k.sh, k.seq);
       const int64_t max_tokens = static_cast<int64_t>(c.max_pages) * k.sh.page + 5;
-      const GpuOut outs[2] = {run_gpu(c, head_scale, max_tokens, k.topk, false),
-                              run_gpu(c, head_scale, max_tokens, k.topk, true)};
+      const GpuOut outs[2] = {run_gpu(c, head_scale, max_tokens, k.topk, false, false),
+                              run_gpu(c, head_scale, max_tokens, k.topk, true, true)};
       for (int r = 0; r < c.rows; ++r) {
         SCOPED_TRACE("row " + std::to_string(r) + " T " + std::to_string(c.seq[r]));
         std::vector<float> sc;
         std::vector<double> mag;
         cpu_scores(c, r, head_scale, sc, mag);
         for (int v = 0; v < 2; ++v) {
-          SCOPED_TRACE(v ? "tensor-core kernel" : "CUDA-core kernel");
+          SCOPED_TRACE(v ? "tensor-core scores, split top-k" : "CUDA-core scores, one-CTA top-k");
           const GpuOut& g = outs[v];
           const float* gs = &g.scores[static_cast<size_t>(r) * max_tokens];
           int64_t bad = 0, first = -1;
@@ -335,15 +338,29 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
   Rng rng(seed);
   struct Row {
     int T;
-    int kind;  // 0 normal, 1 few distinct values (ties), 2 signed zeros and +-1, 3 all equal
+    // 0 normal, 1 few distinct values (ties), 2 signed zeros and +-1, 3 all equal, 4 distinct
+    // values that share one histogram bin (every score a candidate of the multi-CTA select)
+    int kind;
   };
-  for (const int topk : {2048, 8, 1}) {
-    SCOPED_TRACE("topk " + std::to_string(topk));
+  const int64_t stride = 131072;
+  constexpr int kMaxRows = 10;
+  // One workspace for every call: each call must leave it zeroed for the next.
+  DeviceBuffer<uint8_t> d_ws(cuda::dsa_topk_workspace_bytes(kMaxRows, stride, 2048));
+  d_ws.fill_bytes(0);
+  for (const auto [topk, split] : {std::pair{2048, true},
+                                   {8, true},
+                                   {1, true},
+                                   {2048, true},
+                                   {2048, false},
+                                   {8, false},
+                                   {1, false}}) {
+    SCOPED_TRACE("topk " + std::to_string(topk) + (split ? " split" : " one CTA per row"));
     const std::vector<Row> rows = {{131072, 0}, {131072, 1},   {100003, 2},
                                    {5000, 3},   {topk, 0},     {topk - 1 > 0 ? topk - 1 : 0, 1},
-                                   {0, 0},      {topk + 1, 1}, {64, 2}};
-    const int64_t stride = 131072;
+                                   {0, 0},      {topk + 1, 1}, {64, 2},
+                                   {70001, 4}};
     const int R = static_cast<int>(rows.size());
+    ASSERT_LE(R, kMaxRows);
     std::vector<float> sc(static_cast<size_t>(R) * stride, NAN);  // NaN past T: never read
     std::vector<int32_t> seq(static_cast<size_t>(R));
     for (int r = 0; r < R; ++r) {
@@ -356,6 +373,7 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
           v = u == 0 ? 0.0f : u == 1 ? -0.0f : u == 2 ? 1.0f : -1.0f;
         }
         if (rows[r].kind == 3) v = -2.5f;
+        if (rows[r].kind == 4) v = rng.uniform(1.0f, 1.2f);
         sc[static_cast<size_t>(r) * stride + t] = v;
       }
     }
@@ -364,8 +382,8 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
     DeviceBuffer<int32_t> d_sel(static_cast<size_t>(R) * topk), d_nsel(R);
     d_sel.fill_bytes(0xf9);
     d_nsel.fill_bytes(0xf9);
-    cuda::dsa_topk(d_sc.data(), stride, d_seq.data(), R, topk, d_sel.data(), d_nsel.data(), nullptr,
-                   nullptr);
+    cuda::dsa_topk(d_sc.data(), stride, d_seq.data(), R, topk, d_sel.data(), d_nsel.data(),
+                   d_ws.data(), split, nullptr);
     K3_CUDA_CHECK(cudaDeviceSynchronize());
     const auto sel = cuda::to_host<int32_t>(d_sel);
     const auto nsel = cuda::to_host<int32_t>(d_nsel);
@@ -388,7 +406,10 @@ TEST(CudaDsa, RefusesUnsupportedShapes) {
   EXPECT_THROW(cuda::dsa_index_scores(nullptr, nullptr, 1.0f, 1, 128, 128, nullptr, nullptr,
                                       nullptr, 1, nullptr, 16, nullptr, 16, false, nullptr),
                Error);
-  EXPECT_THROW(cuda::dsa_topk(nullptr, 16, nullptr, 1, 0, nullptr, nullptr, nullptr, nullptr),
+  EXPECT_THROW(
+      cuda::dsa_topk(nullptr, 16, nullptr, 1, 0, nullptr, nullptr, nullptr, false, nullptr), Error);
+  // The split top-k needs a workspace.
+  EXPECT_THROW(cuda::dsa_topk(nullptr, 16, nullptr, 1, 8, nullptr, nullptr, nullptr, true, nullptr),
                Error);
 }
 
