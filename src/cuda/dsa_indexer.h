@@ -12,7 +12,7 @@
 // the split top-k reads the scores twice (1 MB per row at 131072 tokens), then its candidates.
 // Measured on an H100 at K3.1 shapes (nh 32, hd 128): scores on fp8 tensor cores 14.5 / 22 us
 // per row at 32768 / 131072 tokens (CUDA cores: 130 / 214 us, bound by the per-head warp
-// reductions); the one-CTA-per-row top-k 51 / 239 us (bench/RESULTS.md).
+// reductions); top-2048 split 21 / 29 us, one CTA per row 60 / 284 us (bench/RESULTS.md).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -61,7 +61,7 @@ size_t dsa_topk_workspace_bytes(int64_t rows, int64_t stride, int topk);
 // broken by the lower index (cpu::dsa_topk's set), in ascending order; selected[r][m..topk)
 // = -1, n_selected[r] = m. -0 and +0 are equal scores, as on the CPU; NaN scores are not
 // supported (the CPU raises on them). split (dsa_topk.cu; the backbone passes
-// cuda::dsa_topk_split(), K3_DSA_TOPK_SPLIT=1, off until its GPU tests pass): many CTAs per row,
+// cuda::dsa_topk_split(), on unless K3_DSA_TOPK_SPLIT=0; 3-10x faster): many CTAs per row,
 // a histogram of the keys' top bits, then the scores above the threshold bin into a bitmap and a
 // radix select among those in it. Else one CTA per row: 4 radix-select passes over the
 // order-preserving bits, then an ordered compaction (workspace unused). rows <= 65535.

@@ -1,6 +1,6 @@
 // DSA top-k (dsa_topk in dsa_indexer.h) over many CTAs per row, so a long row no longer waits on
-// one SM: the one-CTA radix select (kept below as the fallback, split = false) took ~216 us at
-// 131072 tokens on an H200, ~50 us at 32768.
+// one SM: the one-CTA radix select (kept below, split = false) takes 284 us at 131072 tokens on an
+// H100, 60 us at 32768; this one 29 and 21 us (bench/RESULTS.md, twenty-first stop).
 //
 // Two kernels over chunks of kChunk scores (grid: chunks x rows), both reading the scores once:
 //  1. histogram: each chunk counts its scores' top 11 key bits in shared memory and adds the

@@ -384,7 +384,7 @@ bool dsa_tensor_cores() {
 }
 
 bool dsa_topk_split() {
-  static const bool on = env_switch("K3_DSA_TOPK_SPLIT", false);
+  static const bool on = env_switch("K3_DSA_TOPK_SPLIT", true);
   return on;
 }
 

@@ -153,7 +153,7 @@ bool mla_tensor_cores();
 // the steps' K3.1 layers (on by default; K3_DSA_MMA=0 keeps the CUDA-core kernel).
 bool dsa_tensor_cores();
 // The DSA top-k over many CTAs per row (dsa_topk's split, dsa_indexer.h) for the steps' K3.1
-// layers (K3_DSA_TOPK_SPLIT=1; off by default until its GPU tests pass).
+// layers (on by default; K3_DSA_TOPK_SPLIT=0 keeps one CTA per row).
 bool dsa_topk_split();
 // Cache tiles in the tensor-core MLA split kernel's ring (MlaDecodePlan::ring_tiles; K3_MLA_RING
 // = 2, the default, 4 or 5; anything else raises k3::Error).
