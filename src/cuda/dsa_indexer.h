@@ -12,7 +12,7 @@
 // the split top-k reads the scores twice (1 MB per row at 131072 tokens), then its candidates.
 // Measured on an H100 at K3.1 shapes (nh 32, hd 128): scores on fp8 tensor cores 14.5 / 22 us
 // per row at 32768 / 131072 tokens (CUDA cores: 130 / 214 us, bound by the per-head warp
-// reductions); top-2048 split 21 / 29 us, one CTA per row 60 / 284 us (bench/RESULTS.md).
+// reductions); top-2048 split 19 / 26 us, one CTA per row 61 / 289 us (bench/RESULTS.md).
 #pragma once
 
 #include <cuda_bf16.h>

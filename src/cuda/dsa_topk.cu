@@ -1,6 +1,6 @@
 // DSA top-k (dsa_topk in dsa_indexer.h) over many CTAs per row, so a long row no longer waits on
 // one SM: the one-CTA radix select (kept below, split = false) takes 284 us at 131072 tokens on an
-// H100, 60 us at 32768; this one 29 and 21 us (bench/RESULTS.md, twenty-first stop).
+// H100, 60 us at 32768; this one 26 and 19 us (bench/RESULTS.md, twenty-first stop).
 //
 // Two kernels over chunks of kChunk scores (grid: chunks x rows), both reading the scores once:
 //  1. histogram: each chunk counts its scores' top 11 key bits in shared memory and adds the
@@ -34,6 +34,7 @@ constexpr int kBinShift = 21;
 constexpr int kBinsPerThread = kBins / kThreads;
 constexpr uint32_t kLowKeyMask = (1u << kBinShift) - 1u;
 constexpr int kCtrlWords = 8;
+constexpr int kCachedCandidates = 4096;  // 32 KB of shared memory in the select kernel
 static_assert(kBinsPerThread == 8 && kChunk % 32 == 0);
 
 // Control words of a row: arrivals of kernel 1 and 2, candidates appended, threshold bin and the
@@ -196,10 +197,40 @@ __global__ void __launch_bounds__(kThreads)
 
 // The last CTA of a row: picks `need` of the row's candidates, sets their bits, writes the
 // selection in ascending order and leaves the bitmap and counters zeroed.
+// cache: [kCachedCandidates] shared; holds the candidates' composites when they fit, so the
+// passes below gather each score once (a pass over ~1000 gathered candidates costs ~5 us of
+// dependent L2 round trips) instead of once per pass.
 __device__ void finish_row(const float* sc, const RowExtent& e, const RowWorkspace& w, int32_t* out,
-                           uint32_t* hist, int* scratch, int* found) {
+                           uint32_t* hist, uint64_t* cache, int* scratch, int* found) {
   const int C = static_cast<int>(__ldcg(&w.ctrl[kCandidates]));
   int remaining = e.m - static_cast<int>(__ldcg(&w.ctrl[kAbove]));  // 1 <= remaining <= C
+  const bool cached = C <= kCachedCandidates;
+  if (cached) {
+    constexpr int kBatch = 8;  // gathers in flight per thread
+    for (int c0 = 0; c0 < C; c0 += kBatch * kThreads) {
+      int idx[kBatch];
+      float v[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int c = c0 + u * kThreads + static_cast<int>(threadIdx.x);
+        idx[u] = c < C ? __ldcg(&w.cand[c]) : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        v[u] = c0 + u * kThreads + static_cast<int>(threadIdx.x) < C ? sc[idx[u]] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int c = c0 + u * kThreads + static_cast<int>(threadIdx.x);
+        if (c < C) cache[c] = composite(order_key(v[u]), idx[u]);
+      }
+    }
+    __syncthreads();
+  }
+  const auto candidate = [&](int c) {
+    if (cached) return cache[c];
+    const int idx = __ldcg(&w.cand[c]);
+    return composite(order_key(sc[idx]), idx);
+  };
   // Radix select of the remaining-th largest composite, 11 bits at a time from the top (53 bits),
   // until the bin it falls in is taken whole; every candidate whose masked composite is at least
   // the prefix is then selected.
@@ -209,8 +240,7 @@ __device__ void finish_row(const float* sc, const RowExtent& e, const RowWorkspa
       for (int i = threadIdx.x; i < kBins; i += kThreads) hist[i] = 0;
       __syncthreads();
       for (int c = threadIdx.x; c < C; c += kThreads) {
-        const int idx = __ldcg(&w.cand[c]);
-        const uint64_t k = composite(order_key(sc[idx]), idx);
+        const uint64_t k = candidate(c);
         if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & (kBins - 1)], 1u);
       }
       __syncthreads();
@@ -226,9 +256,9 @@ __device__ void finish_row(const float* sc, const RowExtent& e, const RowWorkspa
     }
   }
   for (int c = threadIdx.x; c < C; c += kThreads) {
-    const int idx = __ldcg(&w.cand[c]);
-    if ((composite(order_key(sc[idx]), idx) & mask) >= prefix)
-      atomicOr(&w.bitmap[idx >> 5], 1u << (idx & 31));
+    const uint64_t k = candidate(c);
+    const int idx = static_cast<int>(~static_cast<uint32_t>(k));
+    if ((k & mask) >= prefix) atomicOr(&w.bitmap[idx >> 5], 1u << (idx & 31));
   }
   __threadfence();
   __syncthreads();
@@ -267,6 +297,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int found[2];
   __shared__ int cta_base;
   __shared__ bool last;
+  __shared__ uint64_t cache[kCachedCandidates];  // the last CTA's candidates (finish_row)
   const int64_t r = blockIdx.y;
   const RowExtent e = row_extent(seq_len, r, stride, topk);
   const int t0 = static_cast<int>(blockIdx.x) * kChunk;
@@ -304,7 +335,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int j = 0; j < kPerThread; ++j)
     if (cand_bits & (1u << j)) w.cand[k++] = t0 + j * kThreads + static_cast<int>(threadIdx.x);
   if (!arrive_last(&w.ctrl[kSelectArrived], e.chunks, &last)) return;
-  finish_row(sc, e, w, out, hist, scratch, found);
+  finish_row(sc, e, w, out, hist, cache, scratch, found);
 }
 
 // ---- one CTA per row (the earlier kernel; K3_DSA_TOPK_SPLIT=0) ----

@@ -339,11 +339,12 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
   struct Row {
     int T;
     // 0 normal, 1 few distinct values (ties), 2 signed zeros and +-1, 3 all equal, 4 distinct
-    // values that share one histogram bin (every score a candidate of the multi-CTA select)
+    // values that share one histogram bin (every score a candidate of the split select, too many
+    // to cache), 5 normal in steps of 1/64 (ties among a few hundred cached candidates)
     int kind;
   };
   const int64_t stride = 131072;
-  constexpr int kMaxRows = 10;
+  constexpr int kMaxRows = 11;
   // One workspace for every call: each call must leave it zeroed for the next.
   DeviceBuffer<uint8_t> d_ws(cuda::dsa_topk_workspace_bytes(kMaxRows, stride, 2048));
   d_ws.fill_bytes(0);
@@ -358,7 +359,7 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
     const std::vector<Row> rows = {{131072, 0}, {131072, 1},   {100003, 2},
                                    {5000, 3},   {topk, 0},     {topk - 1 > 0 ? topk - 1 : 0, 1},
                                    {0, 0},      {topk + 1, 1}, {64, 2},
-                                   {70001, 4}};
+                                   {70001, 4},  {20000, 5}};
     const int R = static_cast<int>(rows.size());
     ASSERT_LE(R, kMaxRows);
     std::vector<float> sc(static_cast<size_t>(R) * stride, NAN);  // NaN past T: never read
@@ -374,6 +375,7 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
         }
         if (rows[r].kind == 3) v = -2.5f;
         if (rows[r].kind == 4) v = rng.uniform(1.0f, 1.2f);
+        if (rows[r].kind == 5) v = std::round(v * 64.0f) / 64.0f;
         sc[static_cast<size_t>(r) * stride + t] = v;
       }
     }
