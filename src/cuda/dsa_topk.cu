@@ -353,8 +353,8 @@ __global__ void __launch_bounds__(kOneCtaThreads)
   const int64_t r = blockIdx.x;
   const float* sc = scores + r * stride;  // [T]
   int32_t* out = selected + r * static_cast<int64_t>(topk);
-  const int T = static_cast<int>(min(static_cast<int64_t>(max(seq_len[r], 0)), stride));
-  const int m = min(topk, T);
+  const RowExtent e = row_extent(seq_len, r, stride, topk);
+  const int T = e.T, m = e.m;
   for (int i = m + threadIdx.x; i < topk; i += blockDim.x) out[i] = -1;
   if (threadIdx.x == 0) n_selected[r] = m;
   if (m == 0) return;
