@@ -116,8 +116,9 @@ __device__ int block_exclusive_sum(int v, int* scratch, int* total) {
   return r;
 }
 
-// Thread t holds the counts of bins 8t..8t+7. Finds the bin of the target-th largest key
-// (counting from the top bin) and how many keys lie in higher bins, into found[0] and found[1].
+// Thread t holds the counts of bins 8t..8t+7 (threads past the histogram hold zeros). Finds the
+// bin of the target-th largest key (counting from the top bin) and how many keys lie in higher
+// bins, into found[0] and found[1].
 // 1 <= target <= the histogram's total; called by every thread.
 __device__ void threshold_bin(const uint32_t (&own)[kBinsPerThread], int target, int* scratch,
                               int* found) {
@@ -341,15 +342,15 @@ __global__ void __launch_bounds__(kThreads)
 // ---- one CTA per row (the earlier kernel; K3_DSA_TOPK_SPLIT=0) ----
 
 constexpr int kOneCtaThreads = 1024;
+constexpr int kOneCtaBins = 256;  // one per value of a key byte
 
 __global__ void __launch_bounds__(kOneCtaThreads)
     topk_one_cta_kernel(const float* scores, int64_t stride, const int32_t* seq_len, int topk,
                         int32_t* __restrict__ selected, int32_t* __restrict__ n_selected) {
   K3_PDL_ENTRY();
-  __shared__ int hist[256];
+  __shared__ uint32_t hist[kOneCtaBins];
   __shared__ int scratch[33];
-  __shared__ uint32_t sh_prefix;
-  __shared__ int sh_remaining;
+  __shared__ int found[2];
   const int64_t r = blockIdx.x;
   const float* sc = scores + r * stride;  // [T]
   int32_t* out = selected + r * static_cast<int64_t>(topk);
@@ -368,39 +369,23 @@ __global__ void __launch_bounds__(kOneCtaThreads)
   uint32_t prefix = 0, mask = 0;
   int remaining = m;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+    for (int i = threadIdx.x; i < kOneCtaBins; i += blockDim.x) hist[i] = 0;
     __syncthreads();
     // (Warp-aggregating same-bin adds with __match_any_sync measured slower: 257 vs 216 us.)
     for (int i = threadIdx.x; i < T; i += blockDim.x) {
       const uint32_t k = order_key(sc[i]);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1);
+      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & (kOneCtaBins - 1)], 1u);
     }
     __syncthreads();
-    if (threadIdx.x < 32) {
-      // Lane l owns bins 8l..8l+7; counts above a lane's bins come from a suffix sum over lanes.
-      const int lane = threadIdx.x;
-      int own = 0;
-      for (int b = 0; b < 8; ++b) own += hist[8 * lane + b];
-      int suffix = own;  // sum over lanes >= lane
+    uint32_t own[kBinsPerThread] = {};  // the first 32 threads own the bins, 8 each
+    if (threadIdx.x < kOneCtaBins / kBinsPerThread)
 #pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int n = __shfl_down_sync(0xffffffffu, suffix, o);
-        if (lane + o < 32) suffix += n;
-      }
-      const int above = suffix - own;  // keys in higher bins
-      const bool here = above < remaining && remaining <= suffix;
-      if (here) {  // exactly one lane: walk its bins from the top
-        int acc = above, b = 7;
-        while (acc + hist[8 * lane + b] < remaining) acc += hist[8 * lane + b--];
-        sh_prefix = prefix | (static_cast<uint32_t>(8 * lane + b) << shift);
-        sh_remaining = remaining - acc;
-      }
-    }
-    __syncthreads();
-    prefix = sh_prefix;
-    remaining = sh_remaining;
-    mask |= 255u << shift;
-    __syncthreads();  // hist and the shared results are rewritten by the next pass
+      for (int b = 0; b < kBinsPerThread; ++b) own[b] = hist[kBinsPerThread * threadIdx.x + b];
+    threshold_bin(own, remaining, scratch, found);
+    prefix |= static_cast<uint32_t>(found[0]) << shift;
+    remaining -= found[1];
+    mask |= static_cast<uint32_t>(kOneCtaBins - 1) << shift;
+    __syncthreads();  // hist and found are rewritten by the next pass
   }
 
   // Ordered compaction: keys above the threshold, and the first `remaining` equal ones.
