@@ -7,6 +7,8 @@
 #include "core/numeric.h"
 #include "cuda/check.h"
 #include "cuda/linear_plan.h"
+#include "graph_timing.h"
+#include "read_curve.h"
 
 namespace k3::bench {
 namespace {
@@ -17,16 +19,19 @@ constexpr int kReplays = 50;
 constexpr int kMaxCopies = 1024;
 
 std::vector<Result> g_results;
+ReadCurve g_card;  // this GPU's read curve (measure_card_curve)
 
-// GB/s = bytes / us; %curve against h200_read_curve_tbps(bytes).
+// GB/s = bytes / us; %curve against h200_read_curve_tbps(bytes), %card against this GPU's.
 void print(const Result& r, bool table) {
   const double gbps = r.bytes / (r.us * 1e-6) / 1e9;
   const double curve = cuda::h200_read_curve_tbps(r.bytes) * 1e3;
-  std::printf(table ? "%-6s %-22s %4d %9.2f %7.0f %6.1f %6.1f  %s%s\n"
+  const double card = g_card.tbps(r.bytes) * 1e3;
+  std::printf(table ? "%-6s %-22s %4d %9.2f %7.0f %6.1f %6.1f %6.1f  %s%s\n"
                     : "%-6s %-22s rows=%-3d %9.2f us  %7.1f GB/s  %5.1f%% of 4.3T  %5.1f%% of "
-                      "curve  %s%s\n",
+                      "curve  %5.1f%% of card  %s%s\n",
               r.kernel.c_str(), r.shape.c_str(), r.rows, r.us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-              100 * gbps / curve, r.check.c_str(), r.warm ? (table ? " warm" : " [warm]") : "");
+              100 * gbps / curve, card > 0 ? 100 * gbps / card : 0.0, r.check.c_str(),
+              r.warm ? (table ? " warm" : " [warm]") : "");
   std::fflush(stdout);
 }
 
@@ -38,33 +43,15 @@ int copies_for(double bytes_per_copy) {
 
 Timer::Timer() {
   K3_CUDA_CHECK(cudaStreamCreateWithFlags(&st_, cudaStreamNonBlocking));
-  K3_CUDA_CHECK(cudaEventCreate(&a_));
-  K3_CUDA_CHECK(cudaEventCreate(&b_));
 }
 
 double Timer::batched_us(const std::function<void(int, cudaStream_t)>& enqueue, int R) {
-  enqueue(0, st_);  // eager warm-up
-  K3_CUDA_CHECK(cudaStreamSynchronize(st_));
-  cudaGraph_t g;
-  cudaGraphExec_t e;
-  K3_CUDA_CHECK(cudaStreamBeginCapture(st_, cudaStreamCaptureModeGlobal));
-  for (int c = 0; c < R; ++c) enqueue(c, st_);
-  K3_CUDA_CHECK(cudaStreamEndCapture(st_, &g));
-  K3_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-  K3_CUDA_CHECK(cudaGraphDestroy(g));
-  std::vector<double> t;
-  for (int i = 0; i < kReplays + 3; ++i) {
-    K3_CUDA_CHECK(cudaEventRecord(a_, st_));
-    K3_CUDA_CHECK(cudaGraphLaunch(e, st_));
-    K3_CUDA_CHECK(cudaEventRecord(b_, st_));
-    K3_CUDA_CHECK(cudaEventSynchronize(b_));
-    float ms = 0;
-    K3_CUDA_CHECK(cudaEventElapsedTime(&ms, a_, b_));
-    if (i >= 3) t.push_back(1000.0 * ms / R);
-  }
-  K3_CUDA_CHECK(cudaGraphExecDestroy(e));
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];  // median
+  return graph_batched_us(enqueue, R, st_, kReplays);
+}
+
+void measure_card_curve(cudaStream_t stream) {
+  g_card = ReadCurve::measure(stream);
+  g_card.print();
 }
 
 cuda::DeviceBuffer<int32_t> run_page_tables(size_t runs, int ppr) {
@@ -108,8 +95,8 @@ void record(Result r) {
 }
 
 void print_table() {
-  std::printf("\n%-6s %-22s %4s %9s %7s %6s %6s  %s\n", "kernel", "shape", "rows", "us", "GB/s",
-              "%4.3T", "%curve", "check");
+  std::printf("\n%-6s %-22s %4s %9s %7s %6s %6s %6s  %s\n", "kernel", "shape", "rows", "us", "GB/s",
+              "%4.3T", "%curve", "%card", "check");
   for (const auto& r : g_results) print(r, true);
 }
 

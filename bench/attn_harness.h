@@ -1,8 +1,8 @@
 // The timing harness of k3_bench_attn (bench_attention.cu: KDA, MLA, router; bench_dsa.cu: the
 // DSA indexer): one CUDA graph of R back-to-back launches, each on its own copy of the big
 // operand, R so one replay touches > 132 MB (2.2x L2), us = median of 50 replays / R; a result
-// line per case with its bytes, GB/s, % of 4.3 TB/s and of the read curve at its size, and a
-// correctness check.
+// line per case with its bytes, GB/s, % of 4.3 TB/s, of the H200 read curve at its size and of
+// this GPU's (measured first), and a correctness check.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -37,7 +37,6 @@ class Timer {
 
  private:
   cudaStream_t st_ = nullptr;  // lives for the whole run: nothing to release
-  cudaEvent_t a_, b_;
 };
 
 std::vector<uint16_t> random_bf16(Rng& rng, size_t n, float scale);  // bf16 bits
@@ -62,6 +61,8 @@ cuda::DeviceBuffer<T> replicated(const std::vector<H>& host, size_t runs) {
 // Page tables [runs][ppr] of `runs` distinct page runs: run b holds pages b ppr .. b ppr + ppr - 1.
 cuda::DeviceBuffer<int32_t> run_page_tables(size_t runs, int ppr);
 
+// Measures this GPU's read curve (read_curve.h) for the %card column; prints it.
+void measure_card_curve(cudaStream_t stream);
 // Prints the result's line and keeps it for the table print_table() prints last.
 void record(Result r);
 void print_table();

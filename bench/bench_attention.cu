@@ -295,6 +295,7 @@ int main(int argc, char** argv) {
                 static_cast<size_t>(p.l2CacheSize) >> 20, p.major, p.minor);
     Rng rng(12345);
     Timer t;
+    bench::measure_card_curve(t.stream());
     const int row_counts[] = {1, 8, 64};
     if (want("kda"))
       for (int H : {6, 96})  // TP16, TP1

@@ -1,5 +1,6 @@
 // k3_bench_ops: times the CUDA stock-path kernels at Kimi K3 shapes against the H200 read curve
-// (shared/spec/h200-ceilings.md) and cuBLAS, with a CPU correctness check beside each line.
+// (shared/spec/h200-ceilings.md), this GPU's own read curve measured first in the same run
+// (read_curve.h) and cuBLAS, with a CPU correctness check beside each line.
 //
 // Timing. Every case is captured in CUDA graphs and replayed; times are medians.
 //   us      one graph of R back-to-back launches over R copies of the weights (R copies exceed
@@ -7,8 +8,10 @@
 //           What a launch costs inside a decode graph: kernel plus the node gap.
 //   lat_us  one launch per replay between two events, after a 256 MB scratch write (not timed)
 //           that evicts L2. Includes the graph-launch latency: an upper bound.
-// GB/s counts each byte once (weights + x + y); %4.3T and %curve use `us`. Ops whose R copies
-// fit in L2 are marked "warm" (their `us` is L2-hot; lat_us is cold).
+// GB/s counts each byte once (weights + x + y); %4.3T, %curve (the H200 table) and %card (this
+// GPU's measured curve, which an op is 100% of when it reads as fast as a plain read of its
+// bytes) use `us`. Ops whose R copies fit in L2 are marked "warm" (their `us` is L2-hot; lat_us
+// is cold).
 //
 // Usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING]
 #include <cuda_bf16.h>
@@ -34,7 +37,9 @@
 #include "cuda/linear_mxfp4.h"
 #include "cuda/linear_plan.h"
 #include "cuda/rms_norm.h"
+#include "graph_timing.h"
 #include "model/weight_matrix.h"
+#include "read_curve.h"
 
 namespace k3 {
 namespace {
@@ -56,6 +61,7 @@ struct Result {
 };
 std::vector<Result> g_results;
 std::vector<std::string> g_sweeps;
+bench::ReadCurve g_card;  // this GPU's read curve, measured first
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -95,19 +101,7 @@ struct Timer {
   }
   // Median per-launch time of R back-to-back launches (copies 0..R-1) in one graph.
   double batched_us(const std::function<void(int, cudaStream_t)>& enqueue, int R) {
-    enqueue(0, st);  // eager warm-up: plans, attributes, module load
-    K3_CUDA_CHECK(cudaStreamSynchronize(st));
-    cudaGraphExec_t e = capture(enqueue, 0, R);
-    std::vector<double> t;
-    for (int i = 0; i < kReplays + 3; ++i) {
-      K3_CUDA_CHECK(cudaEventRecord(a, st));
-      K3_CUDA_CHECK(cudaGraphLaunch(e, st));
-      K3_CUDA_CHECK(cudaEventRecord(b, st));
-      const double us = elapsed_us() / R;
-      if (i >= 3) t.push_back(us);
-    }
-    K3_CUDA_CHECK(cudaGraphExecDestroy(e));
-    return median(t);
+    return bench::graph_batched_us(enqueue, R, st, kReplays);
   }
   // Median time of one launch per replay after an L2-evicting scratch write.
   double cold_us(const std::function<void(int, cudaStream_t)>& enqueue, int R) {
@@ -184,9 +178,10 @@ void record(Result r) {
   const double curve = cuda::h200_read_curve_tbps(r.bytes) * 1e3;
   std::printf(
       "%-12s %-10s M=%-3d %8.2f us (lat %7.2f)  %7.1f GB/s  %5.1f%% of 4.3T  %5.1f%% of curve  "
-      "maxrel %.1e  %s%s\n",
+      "%5.1f%% of card  maxrel %.1e  %s%s\n",
       r.kernel.c_str(), r.shape.c_str(), r.m, r.us, r.lat_us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-      100 * gbps / curve, r.maxrel, r.warm ? "[warm] " : "", r.note.c_str());
+      100 * gbps / curve, 100 * gbps / (g_card.tbps(r.bytes) * 1e3), r.maxrel,
+      r.warm ? "[warm] " : "", r.note.c_str());
   std::fflush(stdout);
   g_results.push_back(std::move(r));
 }
@@ -425,6 +420,8 @@ int main(int argc, char** argv) {
                 static_cast<size_t>(p.l2CacheSize) >> 20, p.major, p.minor);
     Rng rng(12345);
     Timer t;
+    g_card = bench::ReadCurve::measure(t.st);
+    g_card.print();
 
     const std::vector<GemmCase> gemms = {
         {"q/k/v/g TP16", 768, 7168, false},     {"o TP16", 7168, 768, false},
@@ -453,14 +450,15 @@ int main(int argc, char** argv) {
       std::printf("\nplan sweep (batched us; default = the model's pick):\n");
       for (const auto& s : g_sweeps) std::printf("  %s\n", s.c_str());
     }
-    std::printf("\n%-9s %-10s %3s %8s %8s %7s %6s %6s %8s\n", "kernel", "shape", "M", "us",
-                "lat_us", "GB/s", "%4.3T", "%curve", "maxrel");
+    std::printf("\n%-9s %-10s %3s %8s %8s %7s %6s %6s %6s %8s\n", "kernel", "shape", "M", "us",
+                "lat_us", "GB/s", "%4.3T", "%curve", "%card", "maxrel");
     for (const auto& r : g_results) {
       const double gbps = r.bytes / (r.us * 1e-6) / 1e9;
       const double curve = cuda::h200_read_curve_tbps(r.bytes) * 1e3;
-      std::printf("%-9s %-10s %3d %8.2f %8.2f %7.0f %6.1f %6.1f %8.1e%s\n", r.kernel.c_str(),
+      std::printf("%-9s %-10s %3d %8.2f %8.2f %7.0f %6.1f %6.1f %6.1f %8.1e%s\n", r.kernel.c_str(),
                   r.shape.c_str(), r.m, r.us, r.lat_us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-                  100 * gbps / curve, r.maxrel, r.warm ? " warm" : "");
+                  100 * gbps / curve, 100 * gbps / (g_card.tbps(r.bytes) * 1e3), r.maxrel,
+                  r.warm ? " warm" : "");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
