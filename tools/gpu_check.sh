@@ -126,6 +126,8 @@ fi
     grep -E '^compute-sanitizer|ERROR SUMMARY|Device not supported' "$out_dir/sanitizer.log"
   fi
   [ -f "$out_dir/bench_ops.log" ] && echo "k3_bench_ops: rc $bench_rc (full output: $out_dir/bench_ops.log)"
+  # This GPU's measured read curve (the %card column's mark).
+  [ -f "$out_dir/bench_ops.log" ] && grep -m1 '^read curve' "$out_dir/bench_ops.log"
   if [ ! -f "$out_dir/bench_ops.log" ]; then
     :
   elif grep -q '^plan sweep' "$out_dir/bench_ops.log"; then
