@@ -1,7 +1,6 @@
 #include "read_curve.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 
@@ -75,14 +74,7 @@ ReadCurve ReadCurve::measure(cudaStream_t stream) {
 
 double ReadCurve::tbps(double bytes) const {
   if (mb_.empty()) return 0.0;
-  const double mb = bytes / static_cast<double>(kMiB);
-  if (mb <= mb_.front()) return tbps_.front() * std::max(mb, 1e-6) / mb_.front();
-  for (size_t i = 1; i < mb_.size(); ++i)
-    if (mb <= mb_[i]) {
-      const double t = std::log(mb / mb_[i - 1]) / std::log(mb_[i] / mb_[i - 1]);
-      return tbps_[i - 1] + t * (tbps_[i] - tbps_[i - 1]);
-    }
-  return tbps_.back();
+  return cuda::read_curve_tbps(mb_.data(), tbps_.data(), static_cast<int>(mb_.size()), bytes);
 }
 
 void ReadCurve::print() const {

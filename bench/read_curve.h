@@ -18,8 +18,7 @@ class ReadCurve {
   // Times the read at each size (about a second); allocates 512 MB while it runs.
   static ReadCurve measure(cudaStream_t stream);
 
-  // TB/s at `bytes`: log-interpolated between the measured sizes, the largest size's rate above
-  // them, and the smallest size's time (a fixed latency) below it, as the H200 table.
+  // TB/s at `bytes`, interpolated as the H200 table is (cuda::read_curve_tbps); 0 before measure.
   double tbps(double bytes) const;
   double peak_tbps() const { return tbps_.empty() ? 0.0 : tbps_.back(); }
   // One line: the measured curve, the H200 table's rate at each size beside it.

@@ -154,17 +154,22 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
   return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
 }
 
+double read_curve_tbps(const double* mib, const double* tbps, int n, double bytes) {
+  K3_CHECK(n >= 1, "read_curve_tbps: an empty curve");
+  const double mb = bytes / (1024.0 * 1024.0);
+  if (mb <= mib[0]) return tbps[0] * std::max(mb, 1e-6) / mib[0];
+  for (int i = 1; i < n; ++i)
+    if (mb <= mib[i]) {
+      const double t = std::log(mb / mib[i - 1]) / std::log(mib[i] / mib[i - 1]);
+      return tbps[i - 1] + t * (tbps[i] - tbps[i - 1]);
+    }
+  return tbps[n - 1];
+}
+
 double h200_read_curve_tbps(double bytes) {
   static constexpr double kMB[] = {1, 4, 8, 16, 32, 64, 128};
   static constexpr double kTBps[] = {0.8, 1.8, 2.7, 3.1, 3.7, 4.1, 4.2};
-  const double mb = bytes / (1024.0 * 1024.0);
-  if (mb <= kMB[0]) return kTBps[0] * std::max(mb, 1e-6) / kMB[0];
-  for (int i = 1; i < 7; ++i)
-    if (mb <= kMB[i]) {
-      const double t = std::log(mb / kMB[i - 1]) / std::log(kMB[i] / kMB[i - 1]);
-      return kTBps[i - 1] + t * (kTBps[i] - kTBps[i - 1]);
-    }
-  return kTBps[6];
+  return read_curve_tbps(kMB, kTBps, 7, bytes);
 }
 
 namespace {

@@ -187,8 +187,13 @@ std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked,
                                          bool with_cublas = false);
 }  // namespace detail
 
+// A read curve's rate (TB/s) at `bytes`, from n >= 1 points (sizes in MiB, ascending, and their
+// rates): log-linear between points, the last rate above them, and below the first the first
+// size's time (a fixed latency: the rate scales with the bytes).
+double read_curve_tbps(const double* mib, const double* tbps, int n, double bytes);
+
 // The H200 cold-L2 read bandwidth for a kernel reading `bytes` (h200-ceilings.md: 1/4/8/16/32/
-// 64/128 MB -> 0.8/1.8/2.7/3.1/3.7/4.1/4.2 TB/s, log-linear between, linear below 1 MB).
+// 64/128 MB -> 0.8/1.8/2.7/3.1/3.7/4.1/4.2 TB/s, read_curve_tbps between them).
 double h200_read_curve_tbps(double bytes);
 
 }  // namespace k3::cuda

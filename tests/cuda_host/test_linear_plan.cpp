@@ -239,5 +239,29 @@ TEST(LinearPlan, TuningShortlistEndsWithCublasWhenAsked) {
   for (const auto& p : same) EXPECT_FALSE(p.cublas);
 }
 
+// The read curve the benches judge kernels by (the H200 table's and a card's measured one).
+TEST(ReadCurve, InterpolatesLogLinearlyScalesBelowAndHoldsAbove) {
+  constexpr double kMiB = 1024.0 * 1024.0;
+  const double mib[] = {1, 4, 16};
+  const double tbps[] = {1.0, 2.0, 3.0};
+  EXPECT_DOUBLE_EQ(cuda::read_curve_tbps(mib, tbps, 3, 4 * kMiB), 2.0);  // a point
+  EXPECT_DOUBLE_EQ(cuda::read_curve_tbps(mib, tbps, 3, 2 * kMiB), 1.5);  // halfway in log size
+  EXPECT_DOUBLE_EQ(cuda::read_curve_tbps(mib, tbps, 3, 8 * kMiB), 2.5);
+  EXPECT_DOUBLE_EQ(cuda::read_curve_tbps(mib, tbps, 3, 0.25 * kMiB), 0.25);  // the 1 MB time
+  EXPECT_DOUBLE_EQ(cuda::read_curve_tbps(mib, tbps, 3, 1024 * kMiB), 3.0);
+  const double one[] = {2.5};
+  EXPECT_DOUBLE_EQ(cuda::read_curve_tbps(mib, one, 1, 64 * kMiB), 2.5);
+  EXPECT_THROW(cuda::read_curve_tbps(mib, tbps, 0, kMiB), Error);
+  // The H200 table through it: its points, and rising with the size.
+  EXPECT_DOUBLE_EQ(cuda::h200_read_curve_tbps(8 * kMiB), 2.7);
+  EXPECT_DOUBLE_EQ(cuda::h200_read_curve_tbps(512 * kMiB), 4.2);
+  double last = 0;
+  for (double mb = 0.5; mb <= 128; mb *= 1.5) {
+    const double r = cuda::h200_read_curve_tbps(mb * kMiB);
+    EXPECT_GT(r, last) << mb << " MB";
+    last = r;
+  }
+}
+
 }  // namespace
 }  // namespace k3
