@@ -270,8 +270,8 @@ void bench_gemm(Timer& t, const GemmCase& c, const std::vector<int>& ms, bool sw
       // tilings and the best of each cluster size and warps-along-K count, then cuBLAS.
       const std::vector<cuda::LinearPlan> try_plans = cuda::detail::tuning_shortlist(
           cand,
-          cuda::cublas_plan_applies(c.fp4 ? cuda::LinearWeight::MXFP4 : cuda::LinearWeight::BF16, 1,
-                                    false, cuda::batch_invariant()));
+          cuda::cublas_plan_applies(c.fp4 ? cuda::LinearWeight::MXFP4 : cuda::LinearWeight::BF16, M,
+                                    1, false, cuda::batch_invariant()));
       double best = 1e30;
       std::string best_plan;
       for (const auto& p : try_plans) {

@@ -269,9 +269,9 @@ LinearPlan planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const 
       ranked =
           linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active);
     // cuBLAS is timed where a launch of the shape may take it (and where it is switched on).
-    const bool with_cublas = cublas_plans() &&
-                             cublas_plan_applies(w, groups, a.x_glu != nullptr, invariant) &&
-                             !a.slot_expert;
+    const bool with_cublas =
+        cublas_plans() && cublas_plan_applies(w, plan_m, groups, a.x_glu != nullptr, invariant) &&
+        !a.slot_expert;
     t = tune_plan<Fmt>(ranked, plain, with_cublas, stream);
   }
   if (cap == cudaStreamCaptureStatusNone) {

@@ -372,6 +372,18 @@ std::atomic<bool>& cublas_plans_flag() {
   static std::atomic<bool> on{env_switch("K3_CUBLAS_PLANS", true)};
   return on;
 }
+std::atomic<int>& cublas_min_rows_value() {
+  static std::atomic<int> rows{[] {
+    const char* v = std::getenv("K3_CUBLAS_MIN_ROWS");
+    if (v == nullptr || *v == '\0') return 1;
+    char* end = nullptr;
+    const long r = std::strtol(v, &end, 10);
+    K3_CHECK(*end == '\0' && r >= 1 && r <= 65, "K3_CUBLAS_MIN_ROWS=", v,
+             ": a row count 1..65 (65: never)");
+    return static_cast<int>(r);
+  }()};
+  return rows;
+}
 std::atomic<bool>& mxfp4_gemv_flag() {
   static std::atomic<bool> on{env_switch("K3_MXFP4_GEMV", true)};
   return on;
@@ -431,6 +443,14 @@ void set_cublas_plans(bool on) {
   cublas_plans_flag().store(on);
 }
 
+int cublas_min_rows() {
+  return cublas_min_rows_value().load();
+}
+void set_cublas_min_rows(int rows) {
+  K3_CHECK(rows >= 1, "set_cublas_min_rows: ", rows, " rows");
+  cublas_min_rows_value().store(rows);
+}
+
 bool mxfp4_gemv_plans() {
   return mxfp4_gemv_flag().load();
 }
@@ -445,8 +465,9 @@ LinearPlan cublas_plan(int m, int64_t n, int64_t k) {
   return p;
 }
 
-bool cublas_plan_applies(LinearWeight w, int groups, bool glu_input, bool invariant) {
-  return w == LinearWeight::BF16 && groups == 1 && !glu_input && !invariant;
+bool cublas_plan_applies(LinearWeight w, int m, int groups, bool glu_input, bool invariant) {
+  return w == LinearWeight::BF16 && m >= cublas_min_rows() && groups == 1 && !glu_input &&
+         !invariant;
 }
 
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {

@@ -140,6 +140,14 @@ void set_linear_tuning(bool on);
 // the same GEMMs, so each shape tunes to one plan for both (bench/RESULTS.md, fourteenth stop).
 bool cublas_plans();
 void set_cublas_plans(bool on);
+// The fewest rows for which cuBLAS is offered (K3_CUBLAS_MIN_ROWS, or set_cublas_min_rows before
+// the first step; default 1, every launch). Why a floor may pay: cuBLAS's kernels do not wait on
+// their producers, so its nodes keep full edges in the specialized step's programmatic graph
+// (the kernel after a full edge launches ~3 us after its producer completes), which the tuner's
+// timing of the launch alone does not see; at one row the GEMV it displaces (the o-projection
+// 7168x768: 5.8 against 5.2 us alone) keeps its PDL edges. Not yet measured in the step.
+int cublas_min_rows();
+void set_cublas_min_rows(int rows);
 // MXFP4 GEMV plans among the candidates (on by default; K3_MXFP4_GEMV=0, or
 // set_mxfp4_gemv_plans(false) before the first step, leaves them out). At one row the stock
 // step measured 2.5% faster with them, the specialized one no slower (bench/RESULTS.md,
@@ -167,8 +175,9 @@ std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const Lin
 // The cuBLAS plan of a shape, and whether a launch may take one: a dense bf16 GEMM that stages
 // plain x (no GLU input), outside batch invariance (cuBLAS's K order depends on the row count);
 // the tuner offers it where this holds and cublas_plans() is on.
+// A launch of m rows (the plan's row count) takes part only from cublas_min_rows() rows.
 LinearPlan cublas_plan(int m, int64_t n, int64_t k);
-bool cublas_plan_applies(LinearWeight w, int groups, bool glu_input, bool invariant);
+bool cublas_plan_applies(LinearWeight w, int m, int groups, bool glu_input, bool invariant);
 
 // Every valid plan for the problem, cheapest model estimate first (empty when only the fallback
 // applies); dense bf16 launches of 1..4 rows and MXFP4 launches of 1..8 rows per slot (outside

@@ -195,11 +195,19 @@ TEST(LinearPlan, Mxfp4GemvPlans) {
 }
 
 TEST(LinearPlan, CublasOnlyForDenseBf16WithPlainInput) {
-  EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, false, false));
-  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::MXFP4, 1, false, false));
-  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 4, false, false)) << "grouped";
-  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, true, false)) << "GLU input";
-  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, false, true)) << "invariant";
+  EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, false, false));
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::MXFP4, 1, 1, false, false));
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 4, false, false)) << "grouped";
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, true, false)) << "GLU input";
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, false, true)) << "invariant";
+  // A row floor leaves the fewer-row launches to the kernels (PDL edges kept).
+  const int floor_before = cuda::cublas_min_rows();
+  cuda::set_cublas_min_rows(2);
+  EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, false, false));
+  EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 2, 1, false, false));
+  EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 64, 1, false, false));
+  EXPECT_THROW(cuda::set_cublas_min_rows(0), Error);
+  cuda::set_cublas_min_rows(floor_before);
 
   LinearPlan p = cuda::cublas_plan(8, 3584, 7168);
   EXPECT_TRUE(p.cublas);
