@@ -25,12 +25,11 @@ ReadCurve g_card;  // this GPU's read curve (measure_card_curve)
 void print(const Result& r, bool table) {
   const double gbps = r.bytes / (r.us * 1e-6) / 1e9;
   const double curve = cuda::h200_read_curve_tbps(r.bytes) * 1e3;
-  const double card = g_card.tbps(r.bytes) * 1e3;
   std::printf(table ? "%-6s %-22s %4d %9.2f %7.0f %6.1f %6.1f %6.1f  %s%s\n"
                     : "%-6s %-22s rows=%-3d %9.2f us  %7.1f GB/s  %5.1f%% of 4.3T  %5.1f%% of "
                       "curve  %5.1f%% of card  %s%s\n",
               r.kernel.c_str(), r.shape.c_str(), r.rows, r.us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-              100 * gbps / curve, card > 0 ? 100 * gbps / card : 0.0, r.check.c_str(),
+              100 * gbps / curve, g_card.percent(gbps, r.bytes), r.check.c_str(),
               r.warm ? (table ? " warm" : " [warm]") : "");
   std::fflush(stdout);
 }

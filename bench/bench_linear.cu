@@ -180,8 +180,8 @@ void record(Result r) {
       "%-12s %-10s M=%-3d %8.2f us (lat %7.2f)  %7.1f GB/s  %5.1f%% of 4.3T  %5.1f%% of curve  "
       "%5.1f%% of card  maxrel %.1e  %s%s\n",
       r.kernel.c_str(), r.shape.c_str(), r.m, r.us, r.lat_us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-      100 * gbps / curve, 100 * gbps / (g_card.tbps(r.bytes) * 1e3), r.maxrel,
-      r.warm ? "[warm] " : "", r.note.c_str());
+      100 * gbps / curve, g_card.percent(gbps, r.bytes), r.maxrel, r.warm ? "[warm] " : "",
+      r.note.c_str());
   std::fflush(stdout);
   g_results.push_back(std::move(r));
 }
@@ -457,7 +457,7 @@ int main(int argc, char** argv) {
       const double curve = cuda::h200_read_curve_tbps(r.bytes) * 1e3;
       std::printf("%-9s %-10s %3d %8.2f %8.2f %7.0f %6.1f %6.1f %6.1f %8.1e%s\n", r.kernel.c_str(),
                   r.shape.c_str(), r.m, r.us, r.lat_us, gbps, 100 * gbps / (kPeakTBps * 1e3),
-                  100 * gbps / curve, 100 * gbps / (g_card.tbps(r.bytes) * 1e3), r.maxrel,
+                  100 * gbps / curve, g_card.percent(gbps, r.bytes), r.maxrel,
                   r.warm ? " warm" : "");
     }
   } catch (const std::exception& e) {

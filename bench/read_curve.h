@@ -21,6 +21,11 @@ class ReadCurve {
   // TB/s at `bytes`, interpolated as the H200 table is (cuda::read_curve_tbps); 0 before measure.
   double tbps(double bytes) const;
   double peak_tbps() const { return tbps_.empty() ? 0.0 : tbps_.back(); }
+  // A result of `gbps` over `bytes` as a percentage of this curve at its size (0 before measure).
+  double percent(double gbps, double bytes) const {
+    const double card_gbps = tbps(bytes) * 1e3;
+    return card_gbps > 0 ? 100.0 * gbps / card_gbps : 0.0;
+  }
   // One line: the measured curve, the H200 table's rate at each size beside it.
   void print() const;
 
