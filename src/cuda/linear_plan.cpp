@@ -375,7 +375,8 @@ std::atomic<bool>& cublas_plans_flag() {
 std::atomic<int>& cublas_min_rows_value() {
   static std::atomic<int> rows{[] {
     const char* v = std::getenv("K3_CUBLAS_MIN_ROWS");
-    if (v == nullptr || *v == '\0') return 1;
+    // Default 2: one-row launches keep their GEMVs' PDL edges (bench/RESULTS.md, 23rd stop).
+    if (v == nullptr || *v == '\0') return 2;
     char* end = nullptr;
     const long r = std::strtol(v, &end, 10);
     K3_CHECK(*end == '\0' && r >= 1 && r <= 65, "K3_CUBLAS_MIN_ROWS=", v,

@@ -141,11 +141,12 @@ void set_linear_tuning(bool on);
 bool cublas_plans();
 void set_cublas_plans(bool on);
 // The fewest rows for which cuBLAS is offered (K3_CUBLAS_MIN_ROWS, or set_cublas_min_rows before
-// the first step; default 1, every launch). Why a floor may pay: cuBLAS's kernels do not wait on
-// their producers, so its nodes keep full edges in the specialized step's programmatic graph
-// (the kernel after a full edge launches ~3 us after its producer completes), which the tuner's
-// timing of the launch alone does not see; at one row the GEMV it displaces (the o-projection
-// 7168x768: 5.8 against 5.2 us alone) keeps its PDL edges. Not yet measured in the step.
+// the first step; default 2). Why: cuBLAS's kernels do not wait on their producers, so its nodes
+// keep full edges in the specialized step's programmatic graph (the kernel after a full edge
+// launches ~3 us after its producer completes), which the tuner's timing of the launch alone
+// does not see. At one row the tuner picked cuBLAS for the o-projection (7168x768, 5.2 against
+// the GEMV's 5.8 us alone), yet the 60-layer step ran 7% faster with the GEMV (H100, 7.26 against
+// 7.81 ms); from 8 rows cuBLAS wins in the step too.
 int cublas_min_rows();
 void set_cublas_min_rows(int rows);
 // MXFP4 GEMV plans among the candidates (on by default; K3_MXFP4_GEMV=0, or

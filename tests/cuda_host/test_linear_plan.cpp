@@ -195,13 +195,15 @@ TEST(LinearPlan, Mxfp4GemvPlans) {
 }
 
 TEST(LinearPlan, CublasOnlyForDenseBf16WithPlainInput) {
+  const int floor_before = cuda::cublas_min_rows();
+  EXPECT_EQ(floor_before, 2) << "the default: one-row launches keep their GEMVs";
+  cuda::set_cublas_min_rows(1);
   EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, false, false));
   EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::MXFP4, 1, 1, false, false));
   EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 4, false, false)) << "grouped";
   EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, true, false)) << "GLU input";
   EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, false, true)) << "invariant";
   // A row floor leaves the fewer-row launches to the kernels (PDL edges kept).
-  const int floor_before = cuda::cublas_min_rows();
   cuda::set_cublas_min_rows(2);
   EXPECT_FALSE(cuda::cublas_plan_applies(LinearWeight::BF16, 1, 1, false, false));
   EXPECT_TRUE(cuda::cublas_plan_applies(LinearWeight::BF16, 2, 1, false, false));
