@@ -82,17 +82,6 @@ struct Timer {
     (void)cudaEventDestroy(b);
     (void)cudaStreamDestroy(st);
   }
-  cudaGraphExec_t capture(const std::function<void(int, cudaStream_t)>& enqueue, int first,
-                          int count) {
-    cudaGraph_t g;
-    cudaGraphExec_t e;
-    K3_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    for (int c = first; c < first + count; ++c) enqueue(c, st);
-    K3_CUDA_CHECK(cudaStreamEndCapture(st, &g));
-    K3_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
-    K3_CUDA_CHECK(cudaGraphDestroy(g));
-    return e;
-  }
   double elapsed_us() {
     K3_CUDA_CHECK(cudaEventSynchronize(b));
     float ms = 0;
@@ -106,7 +95,7 @@ struct Timer {
   // Median time of one launch per replay after an L2-evicting scratch write.
   double cold_us(const std::function<void(int, cudaStream_t)>& enqueue, int R) {
     std::vector<cudaGraphExec_t> e;
-    for (int c = 0; c < R; ++c) e.push_back(capture(enqueue, c, 1));
+    for (int c = 0; c < R; ++c) e.push_back(bench::capture_launches(enqueue, c, 1, st));
     std::vector<double> t;
     for (int i = 0; i < kReplays + 3; ++i) {
       K3_CUDA_CHECK(cudaMemsetAsync(scratch.data(), i & 0xff, kScratchBytes, st));

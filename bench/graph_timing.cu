@@ -7,16 +7,22 @@
 
 namespace k3::bench {
 
-double graph_batched_us(const Enqueue& enqueue, int R, cudaStream_t stream, int replays) {
-  enqueue(0, stream);  // eager warm-up: plans, attributes, module load
-  K3_CUDA_CHECK(cudaStreamSynchronize(stream));
+cudaGraphExec_t capture_launches(const Enqueue& enqueue, int first, int count,
+                                 cudaStream_t stream) {
   cudaGraph_t g;
   cudaGraphExec_t e;
   K3_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int c = 0; c < R; ++c) enqueue(c, stream);
+  for (int c = first; c < first + count; ++c) enqueue(c, stream);
   K3_CUDA_CHECK(cudaStreamEndCapture(stream, &g));
   K3_CUDA_CHECK(cudaGraphInstantiate(&e, g, 0));
   K3_CUDA_CHECK(cudaGraphDestroy(g));
+  return e;
+}
+
+double graph_batched_us(const Enqueue& enqueue, int R, cudaStream_t stream, int replays) {
+  enqueue(0, stream);  // eager warm-up: plans, attributes, module load
+  K3_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const cudaGraphExec_t e = capture_launches(enqueue, 0, R, stream);
   cudaEvent_t a, b;
   K3_CUDA_CHECK(cudaEventCreate(&a));
   K3_CUDA_CHECK(cudaEventCreate(&b));
