@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "cuda/attn_res_mix.cuh"
 #include "cuda/check.h"
 #include "cuda/cluster_launch.cuh"
 #include "cuda/device_util.cuh"
@@ -28,39 +29,18 @@ constexpr int kMaxS = AttnResSources::kMax;
 constexpr int kMaxThreads = 512;
 constexpr int kMaxCluster = 8;
 
-__device__ __forceinline__ float bf_lo(uint32_t w) {
-  return __uint_as_float(w << 16);
-}
-__device__ __forceinline__ float bf_hi(uint32_t w) {
-  return __uint_as_float(w & 0xffff0000u);
-}
-
-// 8 bf16 as raw bits; vec: aligned and in bounds, else the first n_valid element-wise, rest 0.
-__device__ __forceinline__ uint4 load_raw8(const __nv_bfloat16* p, bool vec, int n_valid) {
-  if (vec) return *reinterpret_cast<const uint4*>(p);
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-  uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    if (i < n_valid) w[i / 2] |= static_cast<uint32_t>(q[i]) << (16 * (i & 1));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 template <int NS>
 __global__ void __launch_bounds__(kMaxThreads)
     attn_res_kernel(const __grid_constant__ AttnResSources s, int64_t row_stride,
                     const float* score_w, int hidden, float eps, __nv_bfloat16* out,
                     int64_t out_stride, float* probs, bool vec) {
   K3_PDL_ENTRY();
-  constexpr int n = NS;
   // sources s.src[j]: [rows, hidden] bf16; score_w: [hidden] fp32; out: [rows, hidden] bf16;
-  // probs: [rows, n] fp32 or null
+  // probs: [rows, NS] fp32 or null
   cg::cluster_group cluster = cg::this_cluster();
   const int C = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
   const int64_t row = blockIdx.x / C;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = blockDim.x >> 5;
 
   __shared__ float red[kMaxThreads / 32][2 * NS];  // per-warp partials: ss then dot
   __shared__ float part[2 * NS];                   // this CTA's sums (read by the cluster)
@@ -71,86 +51,31 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int nvalid = live ? min(8, hidden - e0) : 0;
 
   uint4 v[NS];
-#pragma unroll
-  for (int j = 0; j < NS; ++j)
-    v[j] = (j < n && live) ? load_raw8(s.src[j] + row * row_stride + e0, vec, nvalid)
-                           : make_uint4(0, 0, 0, 0);
+  detail::load_sources(v, s, row, row_stride, e0, live, vec, nvalid);
   float w[8];
-  if (live)
-    detail::load_f32x8(score_w + e0, vec, nvalid, w);
-  else
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = 0.0f;
-
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    if (j >= n) break;
-    const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-    float ss = 0.0f, dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float a = bf_lo(u[k]), b = bf_hi(u[k]);
-      ss += a * a + b * b;
-      dot += a * w[2 * k] + b * w[2 * k + 1];
-    }
-    ss = detail::warp_sum(ss);
-    dot = detail::warp_sum(dot);
-    if (lane == 0) {
-      red[warp][j] = ss;
-      red[warp][NS + j] = dot;
-    }
-  }
+  detail::load_weights8(score_w + e0, live, vec, nvalid, 0.0f, w);
+  detail::source_partials<NS>(v, w, red);
   __syncthreads();
-  if (threadIdx.x < 2 * NS && (threadIdx.x % NS) < n) {
-    float t = 0.0f;
-    for (int q = 0; q < nwarps; ++q) t += red[q][threadIdx.x];
-    part[threadIdx.x] = t;
-  }
+  if (threadIdx.x < 2 * NS) part[threadIdx.x] = detail::cta_partial<NS>(red, threadIdx.x);
   cluster.sync();  // every CTA's part[] is written
-  if (threadIdx.x < 2 * NS && (threadIdx.x % NS) < n) {
+  if (threadIdx.x < 2 * NS)
     total[threadIdx.x] = detail::cluster_sum_in_order(cluster, part + threadIdx.x, C);
-  }
   cluster.sync();  // remote reads done (no CTA leaves while others read it); total[] visible
 
-  // Scores and softmax, computed identically by every thread of every CTA of the row.
+  // Mixing weights, computed identically by every thread of every CTA of the row.
   float p[NS];
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    p[j] = j < n ? total[NS + j] / sqrtf(total[j] / static_cast<float>(hidden) + eps) : 0.0f;
-    if (j < n) m = fmaxf(m, p[j]);
-  }
-  if (n == 1) {
-    p[0] = 1.0f;  // layer 0: no mixing, out = v_0 exactly (as the CPU reference)
-  } else {
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-      if (j < n) sum += (p[j] = expf(p[j] - m));
-    const float inv = 1.0f / sum;
-#pragma unroll
-    for (int j = 0; j < NS; ++j) p[j] *= inv;
-  }
-  if (probs && rank == 0 && threadIdx.x < n) {
+  detail::mix_weights(p, total, hidden, eps);
+  if (probs && rank == 0 && threadIdx.x < NS) {
     float pj = 0.0f;
 #pragma unroll
     for (int j = 0; j < NS; ++j)
       if (j == static_cast<int>(threadIdx.x)) pj = p[j];
-    probs[row * n + threadIdx.x] = pj;
+    probs[row * NS + threadIdx.x] = pj;
   }
 
   if (!live) return;
-  float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    if (j >= n) break;
-    const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      o[2 * k] += p[j] * bf_lo(u[k]);
-      o[2 * k + 1] += p[j] * bf_hi(u[k]);
-    }
-  }
+  float o[8];
+  detail::mix8(v, p, o);
   detail::store_bf16x8(out + row * out_stride + e0, vec, nvalid, o);
 }
 

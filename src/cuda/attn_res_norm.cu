@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "cuda/attn_res_mix.cuh"
 #include "cuda/check.h"
 #include "cuda/cluster_launch.cuh"
 #include "cuda/device_util.cuh"
@@ -31,24 +32,6 @@ constexpr int kMaxS = AttnResSources::kMax;
 constexpr int kMaxThreads = 512;
 constexpr int kMaxCluster = 8;  // CTAs per row (attn_res_mix_norm's cluster shape)
 
-__device__ __forceinline__ float bf_lo(uint32_t w) {
-  return __uint_as_float(w << 16);
-}
-__device__ __forceinline__ float bf_hi(uint32_t w) {
-  return __uint_as_float(w & 0xffff0000u);
-}
-
-// 8 bf16 as raw bits; vec: aligned and in bounds, else the first n_valid element-wise, rest 0.
-__device__ __forceinline__ uint4 load_raw8(const __nv_bfloat16* p, bool vec, int n_valid) {
-  if (vec) return *reinterpret_cast<const uint4*>(p);
-  const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
-  uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    if (i < n_valid) w[i / 2] |= static_cast<uint32_t>(q[i]) << (16 * (i & 1));
-  return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
 template <int NS>
 __global__ void __launch_bounds__(kMaxThreads)
     attn_res_norm_kernel(const __grid_constant__ AttnResSources s, int64_t row_stride,
@@ -58,7 +41,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   // sources s.src[j]: [rows, hidden] bf16; score_w, norm_w: [hidden] fp32 (norm_w may be null);
   // x_out: [rows, hidden] bf16; h_out: [rows, hidden] bf16 or null
   detail::pdl_launch_dependents();
-  constexpr int n = NS;
   cg::cluster_group cluster = cg::this_cluster();
   // Arrive now, wait before the first push into another CTA's shared memory (which must have
   // started): by then every CTA has long arrived, so the wait costs nothing.
@@ -83,52 +65,22 @@ __global__ void __launch_bounds__(kMaxThreads)
 
   // The score and norm weights first: they do not depend on the previous kernel.
   float w[8], nw[8];
-  if (live)
-    detail::load_f32x8(score_w + e0, vec, nvalid, w);
-  else
-#pragma unroll
-    for (int k = 0; k < 8; ++k) w[k] = 0.0f;
-  if (live && norm_w)
-    detail::load_f32x8(norm_w + e0, vec, nvalid, nw);
-  else
-#pragma unroll
-    for (int k = 0; k < 8; ++k) nw[k] = 1.0f;
+  detail::load_weights8(score_w + e0, live, vec, nvalid, 0.0f, w);
+  detail::load_weights8(norm_w ? norm_w + e0 : nullptr, live && norm_w, vec, nvalid, 1.0f, nw);
   detail::pdl_wait();
 
-  // ---- Mix (as attn_res_kernel) ----
+  // ---- Mix (attn_res_mix's bits) ----
   uint4 v[NS];
-#pragma unroll
-  for (int j = 0; j < NS; ++j)
-    v[j] = (j < n && live) ? load_raw8(s.src[j] + row * row_stride + e0, vec, nvalid)
-                           : make_uint4(0, 0, 0, 0);
-
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    if (j >= n) break;
-    const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-    float ss = 0.0f, dot = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float a = bf_lo(u[k]), b = bf_hi(u[k]);
-      ss += a * a + b * b;
-      dot += a * w[2 * k] + b * w[2 * k + 1];
-    }
-    ss = detail::warp_sum(ss);
-    dot = detail::warp_sum(dot);
-    if (lane == 0) {
-      red[warp][j] = ss;
-      red[warp][NS + j] = dot;
-    }
-  }
+  detail::load_sources(v, s, row, row_stride, e0, live, vec, nvalid);
+  detail::source_partials<NS>(v, w, red);
   __syncthreads();
   cluster.barrier_wait();  // every CTA has started: pushes may go out
-  if (threadIdx.x < 2 * NS && (threadIdx.x % NS) < n) {
-    float t = 0.0f;
-    for (int q = 0; q < nwarps; ++q) t += red[q][threadIdx.x];
+  if (threadIdx.x < 2 * NS) {
+    const float t = detail::cta_partial<NS>(red, threadIdx.x);
     for (int q = 0; q < C; ++q) *cluster.map_shared_rank(&part[rank][threadIdx.x], q) = t;
   }
   cluster.sync();  // every rank's sums have landed here
-  if (threadIdx.x < 2 * NS && (threadIdx.x % NS) < n) {
+  if (threadIdx.x < 2 * NS) {
     float t = 0.0f;  // in rank order (cluster_sum_in_order's bits)
     for (int q = 0; q < C; ++q) t += part[q][threadIdx.x];
     total[threadIdx.x] = t;
@@ -136,35 +88,9 @@ __global__ void __launch_bounds__(kMaxThreads)
   __syncthreads();
 
   float p[NS];
-  float m = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    p[j] = j < n ? total[NS + j] / sqrtf(total[j] / static_cast<float>(hidden) + eps) : 0.0f;
-    if (j < n) m = fmaxf(m, p[j]);
-  }
-  if (n == 1) {
-    p[0] = 1.0f;  // layer 0: no mixing, h = v_0 exactly (as the CPU reference)
-  } else {
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NS; ++j)
-      if (j < n) sum += (p[j] = expf(p[j] - m));
-    const float inv = 1.0f / sum;
-#pragma unroll
-    for (int j = 0; j < NS; ++j) p[j] *= inv;
-  }
-
-  float o[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-  for (int j = 0; j < NS; ++j) {
-    if (j >= n) break;
-    const uint32_t u[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      o[2 * k] += p[j] * bf_lo(u[k]);
-      o[2 * k + 1] += p[j] * bf_hi(u[k]);
-    }
-  }
+  detail::mix_weights(p, total, hidden, eps);
+  float o[8];
+  detail::mix8(v, p, o);
 
   // ---- RMSNorm of the bf16-rounded h ----
   float h[8];
