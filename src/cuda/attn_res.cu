@@ -102,23 +102,41 @@ AttnResShape attn_res_shape(int64_t hidden) {
   return {C, static_cast<int>(T)};
 }
 
+bool attn_res_sources_aligned(const AttnResSources& s, int n_sources, const char* op) {
+  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax, op, ": ", n_sources,
+           " sources (1..", AttnResSources::kMax, ")");
+  bool aligned = true;
+  for (int j = 0; j < n_sources; ++j) {
+    K3_CHECK(s.src[j] != nullptr, op, ": source ", j, " is null");
+    aligned = aligned && aligned16(s.src[j]);
+  }
+  return aligned;
+}
+
+AttnResSources attn_res_bank(const __nv_bfloat16* bank, int n_sources, int64_t source_stride,
+                             int64_t rows, int64_t row_stride, const char* op) {
+  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax, op, ": ", n_sources,
+           " sources (1..", AttnResSources::kMax, ")");
+  K3_CHECK(bank != nullptr, op, ": null bank");
+  K3_CHECK(source_stride >= rows * row_stride, op, ": source stride ", source_stride,
+           " below rows * row_stride ", rows * row_stride);
+  AttnResSources s;
+  for (int j = 0; j < n_sources; ++j) s.src[j] = bank + j * source_stride;
+  return s;
+}
+
 }  // namespace detail
 
 void attn_res_mix(const AttnResSources& sources, int n_sources, int64_t row_stride,
                   const float* score_w, int64_t rows, int64_t hidden, float eps, __nv_bfloat16* out,
                   int64_t out_stride, float* probs, cudaStream_t stream) {
-  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax, "cuda::attn_res_mix: ", n_sources,
-           " sources (1..", AttnResSources::kMax, ")");
+  const bool aligned = detail::attn_res_sources_aligned(sources, n_sources, "cuda::attn_res_mix");
   K3_CHECK(rows >= 0 && hidden > 0, "cuda::attn_res_mix: rows ", rows, ", hidden ", hidden);
   K3_CHECK(row_stride >= hidden && out_stride >= hidden, "cuda::attn_res_mix: strides ", row_stride,
            "/", out_stride, " below hidden ", hidden);
   K3_CHECK(score_w && out, "cuda::attn_res_mix: null score vector or output");
-  bool vec = hidden % 8 == 0 && row_stride % 8 == 0 && out_stride % 8 == 0 && aligned16(out) &&
-             aligned16(score_w);
-  for (int j = 0; j < n_sources; ++j) {
-    K3_CHECK(sources.src[j] != nullptr, "cuda::attn_res_mix: source ", j, " is null");
-    vec = vec && aligned16(sources.src[j]);
-  }
+  const bool vec = aligned && hidden % 8 == 0 && row_stride % 8 == 0 && out_stride % 8 == 0 &&
+                   aligned16(out) && aligned16(score_w);
   if (rows == 0) return;
   const detail::AttnResShape shape = detail::attn_res_shape(hidden);
   const int C = shape.cluster;
@@ -136,15 +154,9 @@ void attn_res_mix(const AttnResSources& sources, int n_sources, int64_t row_stri
 void attn_res_mix(const __nv_bfloat16* bank, int n_sources, int64_t source_stride,
                   int64_t row_stride, const float* score_w, int64_t rows, int64_t hidden, float eps,
                   __nv_bfloat16* out, int64_t out_stride, float* probs, cudaStream_t stream) {
-  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax, "cuda::attn_res_mix: ", n_sources,
-           " sources (1..", AttnResSources::kMax, ")");
-  K3_CHECK(bank != nullptr, "cuda::attn_res_mix: null bank");
-  K3_CHECK(source_stride >= rows * row_stride, "cuda::attn_res_mix: source stride ", source_stride,
-           " below rows * row_stride ", rows * row_stride);
-  AttnResSources s;
-  for (int j = 0; j < n_sources; ++j) s.src[j] = bank + j * source_stride;
-  attn_res_mix(s, n_sources, row_stride, score_w, rows, hidden, eps, out, out_stride, probs,
-               stream);
+  attn_res_mix(
+      detail::attn_res_bank(bank, n_sources, source_stride, rows, row_stride, "cuda::attn_res_mix"),
+      n_sources, row_stride, score_w, rows, hidden, eps, out, out_stride, probs, stream);
 }
 
 }  // namespace k3::cuda

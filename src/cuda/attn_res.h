@@ -45,6 +45,13 @@ struct AttnResShape {
 };
 AttnResShape attn_res_shape(int64_t hidden);
 
+// Checks n_sources (1..kMax) and every source pointer (errors name `op`); true when all the
+// sources are 16-byte aligned.
+bool attn_res_sources_aligned(const AttnResSources& s, int n_sources, const char* op);
+// The sources of a contiguous bank (see attn_res_mix), checked likewise.
+AttnResSources attn_res_bank(const __nv_bfloat16* bank, int n_sources, int64_t source_stride,
+                             int64_t rows, int64_t row_stride, const char* op);
+
 }  // namespace detail
 
 }  // namespace k3::cuda

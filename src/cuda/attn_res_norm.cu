@@ -136,20 +136,17 @@ void attn_res_mix_norm(const AttnResSources& sources, int n_sources, int64_t row
                        const float* score_w, int64_t rows, int64_t hidden, float eps,
                        const float* norm_w, __nv_bfloat16* x_out, int64_t x_stride,
                        cudaStream_t stream, __nv_bfloat16* h_out, int64_t h_stride) {
-  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax,
-           "cuda::attn_res_mix_norm: ", n_sources, " sources (1..", AttnResSources::kMax, ")");
+  const bool aligned =
+      detail::attn_res_sources_aligned(sources, n_sources, "cuda::attn_res_mix_norm");
   K3_CHECK(rows >= 0 && hidden > 0, "cuda::attn_res_mix_norm: rows ", rows, ", hidden ", hidden);
   K3_CHECK(row_stride >= hidden && x_stride >= hidden && (h_out == nullptr || h_stride >= hidden),
            "cuda::attn_res_mix_norm: strides ", row_stride, "/", x_stride, "/", h_stride,
            " below hidden ", hidden);
   K3_CHECK(score_w && x_out, "cuda::attn_res_mix_norm: null score vector or output");
-  bool vec = hidden % 8 == 0 && row_stride % 8 == 0 && x_stride % 8 == 0 && aligned16(x_out) &&
-             aligned16(score_w) && (norm_w == nullptr || aligned16(norm_w)) &&
-             (h_out == nullptr || (h_stride % 8 == 0 && aligned16(h_out)));
-  for (int j = 0; j < n_sources; ++j) {
-    K3_CHECK(sources.src[j] != nullptr, "cuda::attn_res_mix_norm: source ", j, " is null");
-    vec = vec && aligned16(sources.src[j]);
-  }
+  const bool vec = aligned && hidden % 8 == 0 && row_stride % 8 == 0 && x_stride % 8 == 0 &&
+                   aligned16(x_out) && aligned16(score_w) &&
+                   (norm_w == nullptr || aligned16(norm_w)) &&
+                   (h_out == nullptr || (h_stride % 8 == 0 && aligned16(h_out)));
   if (rows == 0) return;
   // The cluster shape of attn_res_mix (the mix's bits depend on it).
   const detail::AttnResShape shape = detail::attn_res_shape(hidden);
@@ -171,14 +168,9 @@ void attn_res_mix_norm(const __nv_bfloat16* bank, int n_sources, int64_t source_
                        int64_t row_stride, const float* score_w, int64_t rows, int64_t hidden,
                        float eps, const float* norm_w, __nv_bfloat16* x_out, int64_t x_stride,
                        cudaStream_t stream, __nv_bfloat16* h_out, int64_t h_stride) {
-  K3_CHECK(n_sources >= 1 && n_sources <= AttnResSources::kMax,
-           "cuda::attn_res_mix_norm: ", n_sources, " sources (1..", AttnResSources::kMax, ")");
-  K3_CHECK(bank != nullptr, "cuda::attn_res_mix_norm: null bank");
-  K3_CHECK(source_stride >= rows * row_stride, "cuda::attn_res_mix_norm: source stride ",
-           source_stride, " below rows * row_stride ", rows * row_stride);
-  AttnResSources s;
-  for (int j = 0; j < n_sources; ++j) s.src[j] = bank + j * source_stride;
-  attn_res_mix_norm(s, n_sources, row_stride, score_w, rows, hidden, eps, norm_w, x_out, x_stride,
+  attn_res_mix_norm(detail::attn_res_bank(bank, n_sources, source_stride, rows, row_stride,
+                                          "cuda::attn_res_mix_norm"),
+                    n_sources, row_stride, score_w, rows, hidden, eps, norm_w, x_out, x_stride,
                     stream, h_out, h_stride);
 }
 
