@@ -98,8 +98,12 @@ __device__ __forceinline__ void gemv_tile(const SkinnyArgs& a, const WarpWeights
   float* red = reinterpret_cast<float*>(smem + a.x_bytes);           // [n_pieces][mx][16]
 
   constexpr int units = P * kPieceUnits;
-  stage_x<kGlu, true, kGlu ? 1 : (P >= 4 ? 4 : 2)>(a, xs, a.x_pitch, mx, units, piece0 * kPieceK,
-                                                   off, lane, 32);
+  for (int i = lane; i < mx * units; i += 32) {
+    const int m = i / units, u = i % units;
+    const int xr = a.row_index ? a.row_index[off + m] : off + m;
+    const uint4 v = load_x8<kGlu>(a, xr, piece0 * kPieceK + u * 8);
+    sts128(xs + m * a.x_pitch + x_unit<true>(u) * 16, permute_x8(v));
+  }
   __syncwarp();
 
 #pragma unroll

@@ -121,35 +121,6 @@ __device__ __forceinline__ uint4 load_x8(const SkinnyArgs& a, int xr, int kk) {
   }
 }
 
-// Stages units [0, units) (16 B of x each, from k = k_base) of x rows off .. off + mx - 1
-// (gathered through row_index) into xs rows of `pitch` bytes, permuted and swizzled for MXFP4.
-// Thread tid of nthr takes units tid, tid + nthr, ...; kBatch loads are in flight before the
-// first store, so a thread waits on L2 once per batch, not once per unit (64 rows of x staged
-// one unit at a time were a chain of ~18 round trips per thread, most of a 64-row MXFP4 GEMM).
-template <bool kGlu, bool kPermute, int kBatch>
-__device__ __forceinline__ void stage_x(const SkinnyArgs& a, uint8_t* xs, int pitch, int mx,
-                                        int units, int k_base, int off, int tid, int nthr) {
-  const int total = mx * units;
-  for (int base = tid; base < total; base += kBatch * nthr) {
-    uint4 v[kBatch];
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = base + b * nthr;
-      if (i >= total) break;
-      const int m = i / units, u = i % units;
-      const int xr = a.row_index ? a.row_index[off + m] : off + m;
-      v[b] = load_x8<kGlu>(a, xr, k_base + u * 8);
-    }
-#pragma unroll
-    for (int b = 0; b < kBatch; ++b) {
-      const int i = base + b * nthr;
-      if (i >= total) break;
-      const int m = i / units, u = i % units;
-      sts128(xs + m * pitch + x_unit<kPermute>(u) * 16, kPermute ? permute_x8(v[b]) : v[b]);
-    }
-  }
-}
-
 // Grouped launches: calls fn(expert, first_row, rows) for the busy slots of this CTA's turn
 // (slots blockIdx.y, blockIdx.y + gridDim.y, ...; expert >= 0 and rows > 0), in slot order. 32
 // candidate slots per round: warp 0 reads them at once and lists the busy ones. The decision is
@@ -225,8 +196,13 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   }
   if (!a.slot_expert || a.slots_ready) pdl_wait();  // x is the previous kernel's output
   // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
-  stage_x<Fmt::kGluInput, Fmt::kXPermute, Fmt::kGluInput ? 1 : 4>(
-      a, xs, a.x_pitch, mx, units, k_base, off, threadIdx.x, blockDim.x);
+  for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
+    const int m = i / units, u = i % units;
+    const int xr = a.row_index ? a.row_index[off + m] : off + m;
+    uint4 v = load_x8<Fmt::kGluInput>(a, xr, k_base + u * 8);
+    if constexpr (Fmt::kXPermute) v = permute_x8(v);
+    sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
+  }
   __syncthreads();
 
   float acc[MT][NT][4];
@@ -291,20 +267,8 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   cluster.sync();
   const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
   const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
-  // Four elements' remote reads in flight per thread before their stores (64 rows x 224 columns
-  // left each thread 8 dependent rounds of distributed shared-memory reads).
-  constexpr int kSums = 4;
-  const int nthr = static_cast<int>(blockDim.x);
-  for (int base = lo + static_cast<int>(threadIdx.x); base < hi; base += kSums * nthr) {
-    float t[kSums];
-#pragma unroll
-    for (int b = 0; b < kSums; ++b) {
-      const int idx = base + b * nthr;
-      t[b] = idx < hi ? cluster_sum_in_order(cluster, red + idx, a.ck) : 0.0f;
-    }
-#pragma unroll
-    for (int b = 0; b < kSums; ++b)
-      if (base + b * nthr < hi) store(base + b * nthr, t[b]);
+  for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
+    store(idx, cluster_sum_in_order(cluster, red + idx, a.ck));
   }
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
