@@ -95,7 +95,8 @@ LinearPlan plan_linear_bf16(int m, int64_t n, int64_t k) {
 
 std::vector<LinearPlan> linear_bf16_candidates(int m, int64_t n, int64_t k) {
   return linear_candidates(LinearWeight::BF16, m, n, k, 1, device_limits(),
-                           detail::skinny_regs<Bf16Format>);
+                           detail::skinny_regs<Bf16Format>, 0,
+                           detail::skinny_cluster_fit<Bf16Format>);
 }
 
 namespace {

@@ -85,6 +85,46 @@ inline void allow_max_smem(const void* fn) {
       static_cast<int>(device_limits().smem_per_block_optin - attr.sharedSizeBytes)));
 }
 
+// Clusters of tiled plan p that the device holds at once (LinearClusterFit), cached per device,
+// cluster size and CTAs per SM (what packing clusters into GPCs depends on), so a shape's
+// planning asks the driver a few times, not once per candidate. 0 (unknown: the model prices
+// waves by SMs) for plans without clusters, or where the query fails (said once on stderr).
+template <class Fmt>
+int skinny_cluster_fit(const LinearPlan& p, int ctas_per_sm) {
+  if (p.ck <= 1 || p.fallback || p.cublas || p.streams_rows()) return 0;
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int>, int> cache;
+  int dev = 0;
+  K3_CUDA_CHECK(cudaGetDevice(&dev));
+  const auto key = std::make_tuple(dev, p.ck, ctas_per_sm);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+  }
+  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt);
+  allow_max_smem(reinterpret_cast<const void*>(fn));  // the query needs the smem opt-in
+  const ClusterLaunch launch(dim3(static_cast<unsigned>(p.ck)),
+                             dim3(static_cast<unsigned>(p.threads())), p.smem_bytes, nullptr,
+                             static_cast<unsigned>(p.ck));
+  int clusters = 0;
+  const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, fn, &launch.config);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    static std::once_flag warned;
+    std::call_once(warned, [e] {
+      std::fprintf(stderr,
+                   "k3: cudaOccupancyMaxActiveClusters failed (%s); GEMM plans priced by SM "
+                   "count\n",
+                   cudaGetErrorString(e));
+    });
+    clusters = 0;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = clusters;
+  return clusters;
+}
+
 // The best tiled plan for a shape (model-ranked), cached per device.
 template <class Fmt>
 LinearPlan best_plan(LinearWeight w, int m, int64_t n, int64_t k, int groups, int active = 0) {
@@ -99,7 +139,8 @@ LinearPlan best_plan(LinearWeight w, int m, int64_t n, int64_t k, int groups, in
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  const auto c = linear_candidates(w, m, n, k, groups, device_limits(), skinny_regs<Fmt>, active);
+  const auto c = linear_candidates(w, m, n, k, groups, device_limits(), skinny_regs<Fmt>, active,
+                                   skinny_cluster_fit<Fmt>);
   LinearPlan p;
   if (c.empty()) {
     p.weight = w, p.m = m, p.n = n, p.k = k, p.groups = groups, p.fallback = true;
@@ -251,9 +292,9 @@ LinearPlan planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const 
     // Only the tilings that sum K as the one-row plan does (a deterministic model pick).
     const LinearPlan anchor = best_plan<Key>(w, 1, a.n, a.k, 1, 0);
     if (!anchor.fallback)
-      ranked = same_k_order(
-          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active),
-          anchor);
+      ranked = same_k_order(linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(),
+                                              skinny_regs<Key>, active, skinny_cluster_fit<Key>),
+                            anchor);
     p = ranked.empty() ? fallback() : ranked.front();
   }
   TunedPlan t{p, p};
@@ -266,8 +307,8 @@ LinearPlan planned(LinearWeight w, int plan_m, int groups, bool tiled_ok, const 
     plain.add = nullptr;
     plain.res = nullptr;
     if (!invariant)
-      ranked =
-          linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>, active);
+      ranked = linear_candidates(w, plan_m, a.n, a.k, groups, device_limits(), skinny_regs<Key>,
+                                 active, skinny_cluster_fit<Key>);
     // cuBLAS is timed where a launch of the shape may take it (and where it is switched on).
     const bool with_cublas =
         cublas_plans() && cublas_plan_applies(w, plan_m, groups, a.x_glu != nullptr, invariant) &&

@@ -147,9 +147,15 @@ LinearPlan plan_linear_mxfp4(int m, int64_t n, int64_t k, int groups) {
   return detail::best_plan<Mxfp4Format>(LinearWeight::MXFP4, m, n, k, groups);
 }
 
+int linear_mxfp4_cluster_fit(const LinearPlan& p, int ctas_per_sm) {
+  K3_CHECK(p.weight == LinearWeight::MXFP4, "linear_mxfp4_cluster_fit: plan is for another format");
+  return detail::skinny_cluster_fit<Mxfp4Format>(p, ctas_per_sm);
+}
+
 std::vector<LinearPlan> linear_mxfp4_candidates(int m, int64_t n, int64_t k, int groups) {
   return linear_candidates(LinearWeight::MXFP4, m, n, k, groups, device_limits(),
-                           detail::skinny_regs<Mxfp4Format>);
+                           detail::skinny_regs<Mxfp4Format>, 0,
+                           detail::skinny_cluster_fit<Mxfp4Format>);
 }
 
 namespace {

@@ -63,6 +63,9 @@ void linear_mxfp4_grouped_glu(const Mxfp4Grouped& g, const float* gu, int64_t ld
 // Plans (cached) and candidates, as for linear_bf16; groups = slots (1 for the dense form).
 LinearPlan plan_linear_mxfp4(int m, int64_t n, int64_t k, int groups = 1);
 std::vector<LinearPlan> linear_mxfp4_candidates(int m, int64_t n, int64_t k, int groups = 1);
+// The clusters of tiled plan p's kernel the device holds at once with ctas_per_sm of its CTAs to
+// an SM (the planner's LinearClusterFit; 0: unknown or no clusters).
+int linear_mxfp4_cluster_fit(const LinearPlan& p, int ctas_per_sm);
 // One dense launch (M <= 64) under an explicit plan.
 void linear_mxfp4(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
                   const uint8_t* w_scales, int64_t M, void* y, int64_t ldy, bool y_fp32,

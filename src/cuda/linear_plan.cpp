@@ -182,7 +182,7 @@ constexpr double kL2ToSm = 80e9;      // x staging, bytes/s per SM
 constexpr double kClusterUs = 0.6;    // cluster barrier + DSMEM reduction
 constexpr double kCtaReduceUs = 0.3;  // intra-CTA reduction and output
 
-double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
+double model_us(const LinearPlan& p, const DeviceLimits& d, int regs, const LinearClusterFit& fit) {
   const int threads = p.threads();
   int occ = static_cast<int>(d.smem_per_sm / (p.smem_bytes + 1024));
   occ = std::min(occ, d.max_threads_per_sm / threads);
@@ -191,7 +191,12 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
   if (occ <= 0) return 1e30;
   const int busy = p.active_groups > 0 ? std::min(p.active_groups, p.groups) : p.groups;
   const double grid = static_cast<double>(p.grid_x()) * busy;
-  const double conc = static_cast<double>(d.sms) * occ;
+  const double conc_sms = static_cast<double>(d.sms) * occ;
+  double conc = conc_sms;
+  if (p.ck > 1 && fit) {  // resident clusters, where the device says (GPCs, not SMs, bound them)
+    const int clusters = fit(p, occ);
+    if (clusters > 0) conc = std::min(conc, static_cast<double>(clusters) * p.ck);
+  }
   const double waves = std::ceil(grid / conc);
   const double wbytes = linear_weight_bytes(p.weight, p.n, p.k) * busy;
   const double per_cta = wbytes / grid;
@@ -206,8 +211,12 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs) {
   // Little's law, saturating smoothly at the per-SM cap (more in flight always helps a little).
   const double sm_bw = kSmBwCap * (1.0 - std::exp(-in_flight / (kSmBwCap * kLatencyUs * 1e-6)));
   const double bw = std::min(h200_read_curve_tbps(wbytes) * 1e12, active_sms * sm_bw);
-  // Partial last wave: the time is set by whole waves.
-  const double t_w = wbytes / bw * (waves * std::min(grid, conc) / grid) * 1e6;
+  // Partial last wave: the time is set by whole waves. Fewer resident clusters never make it
+  // faster (fewer CTAs a wave need not stream less), so the SM-count pricing is a floor.
+  const auto waves_us = [&](double c) {
+    return wbytes / bw * (std::ceil(grid / c) * std::min(grid, c) / grid) * 1e6;
+  };
+  const double t_w = std::max(waves_us(conc_sms), waves_us(conc));
   // Shared memory: W written and read once, x fragments read by each row set.
   const int mx = std::min(p.m, 8 * p.nt);
   const double bpe = p.weight == LinearWeight::BF16 ? 2.0 : 0.53125;
@@ -269,7 +278,7 @@ double gemv_fp4_model_us(const LinearPlan& p, const DeviceLimits& d) {
 
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
                                           const DeviceLimits& d, const LinearRegs& regs,
-                                          int active_groups) {
+                                          int active_groups, const LinearClusterFit& cluster_fit) {
   K3_CHECK(m >= 1 && m <= 64, "linear plan: m = ", m, " (1..64 per launch)");
   K3_CHECK(n >= 1 && k >= 1 && groups >= 1, "linear plan: n ", n, ", k ", k, ", groups ", groups);
   static constexpr int kNt[] = {1, 2, 4, 6, 8};
@@ -301,7 +310,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
             p.stages = stages;
             if (!finalize_plan(p, d)) continue;
             if (p.grid_x() > 0x7fffffff / 2) continue;
-            p.model_us = model_us(p, d, r);
+            p.model_us = model_us(p, d, r, cluster_fit);
             out.push_back(p);
           }
   }

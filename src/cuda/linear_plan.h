@@ -119,6 +119,12 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d);
 
 // Registers per thread of the (nt, mt) kernel instantiation, for occupancy (0: unknown).
 using LinearRegs = std::function<int(int nt, int mt)>;
+// Clusters of tiled plan p's kernel (ck > 1) that the device holds at once, p's CTAs fitting
+// ctas_per_sm to an SM (cudaOccupancyMaxActiveClusters; 0: unknown). A cluster's CTAs must share
+// one GPC, so fewer fit than SMs x CTAs per SM / ck suggests: on an H100, 15 clusters of 8
+// one-CTA-per-SM CTAs, not 16, and a 16-cluster plan ran as two waves (47 against 25 us for the
+// one-wave plan, bench/RESULTS.md, twenty-fourth stop). The model prices the waves with it.
+using LinearClusterFit = std::function<int(const LinearPlan& p, int ctas_per_sm)>;
 
 // Batch-invariant GEMMs (K3_BATCH_INVARIANT=1, or set_batch_invariant before the first step):
 // every row count of a weight shape sums K in the order of the shape's one-row plan (its warps
@@ -186,7 +192,8 @@ bool cublas_plan_applies(LinearWeight w, int m, int groups, bool glu_input, bool
 // best is what the launchers use untuned; the tuner and the bench time the others.
 std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups,
                                           const DeviceLimits& d, const LinearRegs& regs,
-                                          int active_groups = 0);
+                                          int active_groups = 0,
+                                          const LinearClusterFit& cluster_fit = {});
 
 namespace detail {
 // The plans the tuner times (linear_launch.cuh), from a model-ranked candidate list: the best

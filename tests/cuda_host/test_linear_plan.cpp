@@ -250,6 +250,51 @@ TEST(LinearPlan, TuningShortlistEndsWithCublasWhenAsked) {
 }
 
 // The read curve the benches judge kernels by (the H200 table's and a card's measured one).
+// Clusters the device holds at once bound the waves (LinearClusterFit): with a fit below the
+// grid's cluster count a plan costs another wave, and the best plan is one whose clusters fit
+// (an H100 held 15 clusters of 8 one-CTA-per-SM CTAs; a 16-cluster plan ran 1.9x slower).
+TEST(LinearPlan, ClusterFitPricesTheWaves) {
+  const InvariantScope off(false);
+  const cuda::DeviceLimits d;  // 132 SMs
+  const int m = 64;
+  const int64_t n = 3072, k = 3584;
+  // 15 clusters of 8 (and 30 of 4, 60 of 2) per CTA-per-SM, as GPCs hold them.
+  const auto gpc_fit = [](const LinearPlan& p, int ctas_per_sm) {
+    return 120 / p.ck * ctas_per_sm;
+  };
+  const auto plain = cuda::linear_candidates(LinearWeight::MXFP4, m, n, k, 1, d, nullptr);
+  const auto fitted =
+      cuda::linear_candidates(LinearWeight::MXFP4, m, n, k, 1, d, nullptr, 0, gpc_fit);
+  ASSERT_EQ(plain.size(), fitted.size());
+  int slower = 0;
+  for (const LinearPlan& p : plain) {
+    const auto same = std::find_if(fitted.begin(), fitted.end(),
+                                   [&](const LinearPlan& q) { return q.str() == p.str(); });
+    ASSERT_NE(same, fitted.end()) << p.str();
+    if (p.ck == 1) {
+      EXPECT_EQ(same->model_us, p.model_us) << p.str() << ": no cluster, no change";
+    } else {
+      EXPECT_GE(same->model_us, p.model_us) << p.str();
+      slower += same->model_us > p.model_us;
+    }
+  }
+  EXPECT_GT(slower, 0) << "some cluster plans need a second wave under the fit";
+  // The model's pick without the fit is a 16-cluster plan of 8 (two waves under the fit); with
+  // it, the pick's clusters fit in one wave.
+  ASSERT_GT(plain.front().ck, 1);
+  EXPECT_GT(plain.front().grid_x() / plain.front().ck, gpc_fit(plain.front(), 1))
+      << plain.front().str();
+  const LinearPlan& pick = fitted.front();
+  if (pick.ck > 1) {
+    EXPECT_LE(pick.grid_x() / pick.ck, gpc_fit(pick, 1)) << pick.str();
+  }
+  // An unknown fit (0) keeps the SM-count pricing.
+  const auto unknown = cuda::linear_candidates(LinearWeight::MXFP4, m, n, k, 1, d, nullptr, 0,
+                                               [](const LinearPlan&, int) { return 0; });
+  ASSERT_EQ(unknown.size(), plain.size());
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(unknown[i].model_us, plain[i].model_us);
+}
+
 TEST(ReadCurve, InterpolatesLogLinearlyScalesBelowAndHoldsAbove) {
   constexpr double kMiB = 1024.0 * 1024.0;
   const double mib[] = {1, 4, 16};

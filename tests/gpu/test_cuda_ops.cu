@@ -401,6 +401,30 @@ TEST(CudaLinearMxfp4, EveryKindOfPlan) {
   }
 }
 
+// The planner's cluster fit comes from the device (cudaOccupancyMaxActiveClusters): clusters of
+// 8 CTAs that each need over half an SM's shared memory fit at most SMs / 8 at once (fewer where
+// a GPC's SM count is not a multiple of 8: an H100 held 15, not 16), and the model's first
+// tiled plan for 64 rows launches no more of them than fit.
+TEST(CudaLinearMxfp4, ClusterFitFromTheDevice) {
+  const cuda::DeviceLimits d = cuda::device_limits();
+  const auto c = cuda::linear_mxfp4_candidates(64, 3072, 3584);
+  const auto big = std::find_if(c.begin(), c.end(), [&](const cuda::LinearPlan& p) {
+    return !p.streams_rows() && p.ck == 8 && p.smem_bytes > d.smem_per_sm / 2;
+  });
+  ASSERT_NE(big, c.end());
+  const int fit = cuda::linear_mxfp4_cluster_fit(*big, 1);
+  EXPECT_GE(fit, 1) << big->str();
+  EXPECT_LE(fit, d.sms / 8) << big->str();
+  std::printf("clusters of 8 at one CTA per SM: %d on %d SMs (%s)\n", fit, d.sms,
+              big->str().c_str());
+  const auto tiled =
+      std::find_if(c.begin(), c.end(), [](const cuda::LinearPlan& p) { return !p.streams_rows(); });
+  ASSERT_NE(tiled, c.end());
+  if (tiled->ck == 8 && tiled->smem_bytes > d.smem_per_sm / 2) {
+    EXPECT_LE(tiled->grid_x() / 8, fit) << tiled->str();
+  }
+}
+
 // Grouped MoE form: slots read their expert and rows from device memory; a skipped slot's rows
 // stay untouched (NaN), every other row is written.
 // expected_active: the plan's busy slots, i.e. its rows of CTAs, which take turns over the slots.
