@@ -1,7 +1,7 @@
 // The skinny-GEMM planner's host logic (cuda/linear_plan.h) without a GPU: which problems get
 // GEMV plans, their limits and shared memory, how they rank against the tilings, batch
-// invariance, the tuner's shortlist and where it offers cuBLAS. Runs in CI (no device call:
-// explicit H200 limits and no register query).
+// invariance, the tuner's shortlist, where it offers cuBLAS, and how resident clusters price
+// waves. Runs in CI (no device call: explicit H200 limits, no register or cluster query).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -249,7 +249,6 @@ TEST(LinearPlan, TuningShortlistEndsWithCublasWhenAsked) {
   for (const auto& p : same) EXPECT_FALSE(p.cublas);
 }
 
-// The read curve the benches judge kernels by (the H200 table's and a card's measured one).
 // Clusters the device holds at once bound the waves (LinearClusterFit): with a fit below the
 // grid's cluster count a plan costs another wave, and the best plan is one whose clusters fit
 // (an H100 held 15 clusters of 8 one-CTA-per-SM CTAs; a 16-cluster plan ran 1.9x slower).
@@ -295,6 +294,7 @@ TEST(LinearPlan, ClusterFitPricesTheWaves) {
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(unknown[i].model_us, plain[i].model_us);
 }
 
+// The read curve the benches judge kernels by (the H200 table's and a card's measured one).
 TEST(ReadCurve, InterpolatesLogLinearlyScalesBelowAndHoldsAbove) {
   constexpr double kMiB = 1024.0 * 1024.0;
   const double mib[] = {1, 4, 16};
