@@ -18,10 +18,8 @@ struct Bf16Format {
   static constexpr int kChunk = 64;
   static constexpr bool kXPermute = false;
   static constexpr bool kGluInput = false;
+  static constexpr bool kWarpgroupMma = false;
   static constexpr __host__ __device__ int stage_bytes(int mt) { return 2048 * mt; }
-  static constexpr __host__ __device__ int max_threads(int nt, int mt) {
-    return nt * mt >= 8 ? 256 : 512;
-  }
 
   struct Dec {
     __device__ static float at(const void* W, const uint8_t*, int n, int k, int K) {

@@ -28,41 +28,59 @@ namespace k3::cuda::detail {
 
 using SkinnyKernel = void (*)(SkinnyArgs);
 
-template <class Fmt>
-SkinnyKernel skinny_kernel(int nt, int mt) {
+template <class Fmt, bool kWg>
+SkinnyKernel skinny_kernel_of(int nt, int mt) {
   switch (nt * 10 + mt) {
     case 11:
-      return skinny_gemm_kernel<Fmt, 1, 1>;
+      return skinny_gemm_kernel<Fmt, 1, 1, kWg>;
     case 21:
-      return skinny_gemm_kernel<Fmt, 2, 1>;
+      return skinny_gemm_kernel<Fmt, 2, 1, kWg>;
     case 41:
-      return skinny_gemm_kernel<Fmt, 4, 1>;
-    case 42:
-      return skinny_gemm_kernel<Fmt, 4, 2>;
+      return skinny_gemm_kernel<Fmt, 4, 1, kWg>;
     case 61:
-      return skinny_gemm_kernel<Fmt, 6, 1>;
-    case 62:
-      return skinny_gemm_kernel<Fmt, 6, 2>;
+      return skinny_gemm_kernel<Fmt, 6, 1, kWg>;
     case 81:
-      return skinny_gemm_kernel<Fmt, 8, 1>;
-    case 82:
-      return skinny_gemm_kernel<Fmt, 8, 2>;
+      return skinny_gemm_kernel<Fmt, 8, 1, kWg>;
     default:
       break;
   }
-  fail("skinny GEMM: no kernel for nt ", nt, ", mt ", mt);
+  if constexpr (!kWg) {  // two row tiles a warp: mma.sync only
+    switch (nt * 10 + mt) {
+      case 42:
+        return skinny_gemm_kernel<Fmt, 4, 2, false>;
+      case 62:
+        return skinny_gemm_kernel<Fmt, 6, 2, false>;
+      case 82:
+        return skinny_gemm_kernel<Fmt, 8, 2, false>;
+      default:
+        break;
+    }
+  }
+  fail("skinny GEMM: no kernel for nt ", nt, ", mt ", mt, kWg ? " (warpgroup)" : "");
+}
+
+// The kernel of (nt, mt, wg); warpgroup kernels exist for formats with kWarpgroupMma.
+template <class Fmt>
+SkinnyKernel skinny_kernel(int nt, int mt, bool wg) {
+  if constexpr (Fmt::kWarpgroupMma) {
+    if (wg) return skinny_kernel_of<Fmt, true>(nt, mt);
+  } else {
+    K3_CHECK(!wg, "skinny GEMM: a warpgroup plan for a format without one");
+  }
+  return skinny_kernel_of<Fmt, false>(nt, mt);
 }
 
 template <class Fmt>
-int skinny_regs(int nt, int mt) {
+int skinny_regs(int nt, int mt, bool wg) {
   static std::mutex mu;
   static std::map<int, int> cache;
+  const int key = nt * 10 + mt + (wg ? 100 : 0);
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(nt * 10 + mt);
+  auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   cudaFuncAttributes attr{};
-  K3_CUDA_CHECK(cudaFuncGetAttributes(&attr, skinny_kernel<Fmt>(nt, mt)));
-  cache[nt * 10 + mt] = attr.numRegs;
+  K3_CUDA_CHECK(cudaFuncGetAttributes(&attr, skinny_kernel<Fmt>(nt, mt, wg)));
+  cache[key] = attr.numRegs;
   return attr.numRegs;
 }
 
@@ -102,7 +120,7 @@ int skinny_cluster_fit(const LinearPlan& p, int ctas_per_sm) {
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
   }
-  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt);
+  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt, p.wg);
   allow_max_smem(reinterpret_cast<const void*>(fn));  // the query needs the smem opt-in
   const ClusterLaunch launch(dim3(static_cast<unsigned>(p.ck)),
                              dim3(static_cast<unsigned>(p.threads())), p.smem_bytes, nullptr,
@@ -172,7 +190,7 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
   a.n_slots = p.groups;
   a.x_pitch = p.x_pitch;
   a.x_bytes = static_cast<int>(p.x_bytes);
-  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt);
+  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt, p.wg);
   allow_max_smem(reinterpret_cast<const void*>(fn));
   const ClusterLaunch launch(dim3(static_cast<unsigned>(p.grid_x()),
                                   static_cast<unsigned>(a.slot_expert ? p.slot_ctas() : 1)),

@@ -21,11 +21,9 @@ struct Mxfp4Format {
   static constexpr int kChunk = 256;
   static constexpr bool kXPermute = true;
   static constexpr bool kGluInput = false;
+  static constexpr bool kWarpgroupMma = true;
   // 4*MT packed pieces x 32 lanes x 16 B, then 2*MT rows x 32 lanes x 8 scale bytes.
   static constexpr __host__ __device__ int stage_bytes(int mt) { return 2560 * mt; }
-  static constexpr __host__ __device__ int max_threads(int nt, int mt) {
-    return nt * mt >= 8 ? 256 : 512;
-  }
 
   struct Dec {
     __device__ static float at(const void* W, const uint8_t* Ws, int n, int k, int K) {
@@ -128,6 +126,85 @@ struct Mxfp4Format {
       compute<NT, MT, true>(acc, slot, sc, xs, pitch, kloc, lane, mx);
     else
       compute<NT, MT, false>(acc, slot, sc, xs, pitch, kloc, lane, mx);
+  }
+
+  // (Warpgroup MMA) The A fragments of half j of a 16-row chunk (mt 1): a[w][s] is mma step
+  // 2 w + s of the half, registers as mma_bf16_16816's a0..a3 (rows g / g + 8, pairs 2 s and
+  // 2 s + 1 of word w).
+  template <bool kTwo>
+  __device__ static void dequant_half(const uint8_t* slot, const uint2 (&sc)[2], int j, int lane,
+                                      uint32_t (&a)[4][2][4]) {
+    const int c = lane & 3;
+    uint4 wv[2];
+    uint32_t f1[2], f2[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      wv[h] = lds128(slot + ((h * 2 + j) * 32 + lane) * 16);
+      mxfp4_factors<kTwo>(((j ? sc[h].y : sc[h].x) >> (8 * c)) & 0xffu, f1[h], f2[h]);
+    }
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      uint32_t pr[2][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) mxfp4_pairs<kTwo>(word(wv[h], w), f1[h], f2[h], pr[h]);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        a[w][s][0] = pr[0][2 * s];
+        a[w][s][1] = pr[1][2 * s];
+        a[w][s][2] = pr[0][2 * s + 1];
+        a[w][s][3] = pr[1][2 * s + 1];
+      }
+    }
+  }
+
+  // (Warpgroup MMA) One chunk of this warp's 16 rows times the x tiles at x_tiles (shared
+  // address of the chunk's first of 16 B tiles, wgmma_x_layout.h), into the
+  // warpgroup's 64 x 8 NT accumulators: per half, dequantize (the two-multiply path where any
+  // lane of this warp needs it: no wgmma inside the branch, so warps may differ), then 8 wgmma;
+  // the second half is dequantized while the first half's wgmma run.
+  template <int NT>
+  __device__ static void compute_chunk_wg(float (&acc)[1][NT][4], const uint8_t* slot,
+                                          uint32_t x_tiles, int lane) {
+    const int c = lane & 3;
+    uint2 sc[2];
+    bool big = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sc[h] = lds64(slot + 2048 + (h * 32 + lane) * 8);
+      big |= ((sc[h].x >> (8 * c)) & 0xffu) > 128u || ((sc[h].y >> (8 * c)) & 0xffu) > 128u;
+    }
+    big = __any_sync(0xffffffffu, big);
+    uint32_t a[2][4][2][4];  // [half j][word w][step s][fragment register]
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (big)
+        dequant_half<true>(slot, sc, j, lane, a[j]);
+      else
+        dequant_half<false>(slot, sc, j, lane, a[j]);
+      wgmma_fence();
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+          WgmmaRs<NT>::run(acc[0], a[j][w][s],
+                           wgmma_desc(x_tiles + wg_step(0, j, w, s) * wg_tile_bytes(NT),
+                                      wg_lead_bytes(NT), kWgStrideBytes));
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    // The asynchronous reads of a and writes of acc are complete only here: both stay pinned.
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) wgmma_keep(acc[0][t][e]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int w = 0; w < 4; ++w)
+#pragma unroll
+        for (int s = 0; s < 2; ++s)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) wgmma_keep(a[j][w][s][e]);
   }
 };
 

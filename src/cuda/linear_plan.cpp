@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "cuda/check.h"
+#include "cuda/wgmma_x_layout.h"
 
 namespace k3::cuda {
 
@@ -62,8 +63,8 @@ std::string LinearPlan::str() const {
     os << "gemv ks" << gemv_ks << " rpw" << gemv_rpw << " grid" << grid_x();
     return os.str();
   }
-  os << "nt" << nt << " mt" << mt << " wn" << wn << " wk" << wk << " ck" << ck << " s" << stages
-     << " grid" << grid_x() * slot_ctas() << "x" << threads()
+  os << (wg ? "wg " : "") << "nt" << nt << " mt" << mt << " wn" << wn << " wk" << wk << " ck" << ck
+     << " s" << stages << " grid" << grid_x() * slot_ctas() << "x" << threads()
      << (active_groups > 0 && active_groups < groups ? " busy" + std::to_string(active_groups) : "")
      << " smem" << (smem_bytes + 1023) / 1024 << "K";
   return os.str();
@@ -93,10 +94,6 @@ int linear_stage_bytes(LinearWeight w, int mt) {
 double linear_weight_bytes(LinearWeight w, int64_t n, int64_t k) {
   const double e = static_cast<double>(n) * static_cast<double>(k);
   return w == LinearWeight::BF16 ? 2.0 * e : e / 2.0 + e / 32.0;
-}
-
-int linear_max_threads(int nt, int mt) {
-  return nt * mt >= 8 ? 256 : 512;
 }
 
 int gemv_units_per_lane(int64_t k, int ks) {
@@ -137,16 +134,25 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
     return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
   }
   const int kc = linear_chunk_k(p.weight);
-  if (p.threads() > linear_max_threads(p.nt, p.mt) || p.threads() < 64) return false;
+  if (p.threads() > linear_max_threads(p.nt, p.mt, p.wg) || p.threads() < 64) return false;
   if (p.ck < 1 || p.ck > 8 || p.stages < 2 || p.stages > 7 || p.m > 8 * p.nt) return false;
+  if (p.wg && (p.weight != LinearWeight::MXFP4 || p.mt != 1 || p.wn % 4 != 0)) return false;
   p.chunks = static_cast<int>((p.k + kc - 1) / kc);
   if (p.chunks < p.ck * p.wk) return false;  // every warp gets at least one chunk
   const int per_cta = (p.chunks + p.ck - 1) / p.ck;
-  // Row pitch of the staged x: +64 B (bf16) / +16 B (MXFP4, with a swizzle) keeps the 16-byte
-  // fragment reads of one warp conflict-free (skinny_gemm.cuh).
-  p.x_pitch = per_cta * kc * 2 + (p.weight == LinearWeight::BF16 ? 64 : 16);
   const int mx = std::min(p.m, 8 * p.nt);
-  p.x_bytes = (static_cast<size_t>(mx) * p.x_pitch + 127) / 128 * 128;
+  if (p.wg) {
+    // wgmma B tiles: 16 steps of 16 k per chunk, each 8 * nt tokens x 32 bytes
+    // (wgmma_x_layout.h); no row pitch.
+    p.x_pitch = 0;
+    p.x_bytes =
+        static_cast<size_t>(detail::wg_step(per_cta, 0, 0, 0)) * detail::wg_tile_bytes(p.nt);
+  } else {
+    // Row pitch of the staged x: +64 B (bf16) / +16 B (MXFP4, with a swizzle) keeps the 16-byte
+    // fragment reads of one warp conflict-free (skinny_gemm.cuh).
+    p.x_pitch = per_cta * kc * 2 + (p.weight == LinearWeight::BF16 ? 64 : 16);
+    p.x_bytes = (static_cast<size_t>(mx) * p.x_pitch + 127) / 128 * 128;
+  }
   const size_t rings =
       static_cast<size_t>(p.wn * p.wk) * p.stages * linear_stage_bytes(p.weight, p.mt);
   const size_t red = static_cast<size_t>(p.wk) * mx * p.rows_per_cta() * sizeof(float);
@@ -217,10 +223,11 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs, const Line
     return wbytes / bw * (std::ceil(grid / c) * std::min(grid, c) / grid) * 1e6;
   };
   const double t_w = std::max(waves_us(conc_sms), waves_us(conc));
-  // Shared memory: W written and read once, x fragments read by each row set.
+  // Shared memory: W written and read once, x fragments read by each row set (a warp's 16 mt
+  // rows, or a warpgroup's 64).
   const int mx = std::min(p.m, 8 * p.nt);
   const double bpe = p.weight == LinearWeight::BF16 ? 2.0 : 0.53125;
-  const double x_ratio = 2.0 * mx / (16.0 * p.mt * bpe);
+  const double x_ratio = 2.0 * mx / ((p.wg ? 64.0 : 16.0 * p.mt) * bpe);
   const double t_smem = per_cta * cta_per_sm_max * waves * (2.0 + x_ratio) / kSmemBw * 1e6;
   const double x_slice = static_cast<double>(mx) * (static_cast<double>(p.k) / p.ck) * 2.0;
   const double t_x = waves * x_slice * cta_per_sm_max / kL2ToSm * 1e6;
@@ -289,9 +296,13 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
       break;
     }
   std::vector<LinearPlan> out;
-  for (int mt = 1; mt <= (nt >= 4 ? 2 : 1); ++mt) {
-    const int r = regs ? regs(nt, mt) : 0;
-    for (int wn = 1; wn <= 8; ++wn)
+  // (mt, wg) kernels: mma.sync with one or two row tiles a warp, and for MXFP4 the warpgroup one.
+  std::vector<std::pair<int, bool>> kernels{{1, false}};
+  if (nt >= 4) kernels.push_back({2, false});
+  if (w == LinearWeight::MXFP4 && mxfp4_wgmma_plans()) kernels.push_back({1, true});
+  for (const auto& [mt, wg] : kernels) {
+    const int r = regs ? regs(nt, mt, wg) : 0;
+    for (int wn = wg ? 4 : 1; wn <= 8; wn += wg ? 4 : 1)
       for (int wk = 1; wk <= 8; ++wk)
         for (int ck = 1; ck <= 8; ++ck)
           for (int stages : {2, 3, 4, 6}) {
@@ -304,6 +315,7 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
             p.active_groups = active_groups;
             p.nt = nt;
             p.mt = mt;
+            p.wg = wg;
             p.wn = wn;
             p.wk = wk;
             p.ck = ck;
@@ -398,6 +410,10 @@ std::atomic<bool>& mxfp4_gemv_flag() {
   static std::atomic<bool> on{env_switch("K3_MXFP4_GEMV", true)};
   return on;
 }
+std::atomic<bool>& mxfp4_wgmma_flag() {
+  static std::atomic<bool> on{env_switch("K3_MXFP4_WGMMA", false)};
+  return on;
+}
 }  // namespace
 
 bool mla_tensor_cores() {
@@ -468,6 +484,13 @@ void set_mxfp4_gemv_plans(bool on) {
   mxfp4_gemv_flag().store(on);
 }
 
+bool mxfp4_wgmma_plans() {
+  return mxfp4_wgmma_flag().load();
+}
+void set_mxfp4_wgmma_plans(bool on) {
+  mxfp4_wgmma_flag().store(on);
+}
+
 LinearPlan cublas_plan(int m, int64_t n, int64_t k) {
   K3_CHECK(m >= 1 && m <= 64 && n >= 1 && k >= 1, "cuBLAS plan: shape ", m, "x", n, "x", k);
   LinearPlan p;
@@ -483,7 +506,9 @@ bool cublas_plan_applies(LinearWeight w, int m, int groups, bool glu_input, bool
 std::vector<LinearPlan> same_k_order(const std::vector<LinearPlan>& c, const LinearPlan& anchor) {
   std::vector<LinearPlan> out;
   for (const LinearPlan& p : c)
-    if (!p.fallback && !p.streams_rows() && !p.cublas && p.wk == anchor.wk && p.ck == anchor.ck)
+    // (wgmma and mma.sync may round their in-instruction sums differently: same kind only.)
+    if (!p.fallback && !p.streams_rows() && !p.cublas && p.wk == anchor.wk && p.ck == anchor.ck &&
+        p.wg == anchor.wg)
       out.push_back(p);
   return out;
 }
@@ -540,6 +565,15 @@ std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked, 
                        !have([&](const LinearPlan& q) { return q.wk == p.wk; });
     if (novel) out.push_back(p);
   }
+  // The best two warpgroup tilings too, where the model left them out: it prices bytes and
+  // latency, not the instruction counts in which they differ from the mma.sync tilings.
+  int n_wg = static_cast<int>(
+      std::count_if(out.begin(), out.end(), [](const LinearPlan& q) { return q.wg; }));
+  for (const LinearPlan& p : ranked)
+    if (p.wg && n_wg < 2 && !have([&](const LinearPlan& q) { return q.str() == p.str(); })) {
+      out.push_back(p);
+      ++n_wg;
+    }
   if (with_cublas && !ranked.empty()) {
     const LinearPlan& s = ranked.front();
     out.push_back(cublas_plan(s.m, s.n, s.k));

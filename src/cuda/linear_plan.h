@@ -44,9 +44,13 @@ struct LinearPlan {
   bool fallback = false;  // generic kernel: K or alignment the tiled kernel cannot take
   int nt = 1;             // 8-token mma column tiles: m <= 8 * nt (1, 2, 4, 6 or 8)
   int mt = 1;             // 16-row mma row tiles per warp (1 or 2)
-  int wn = 1, wk = 1;     // warps per CTA along N and K
-  int ck = 1;             // CTAs per cluster along K (1..8)
-  int stages = 4;         // per-warp cp.async ring depth (2..7)
+  // Warpgroup MMA (MXFP4 only; wgmma.cuh): each 4 warps side by side along N multiply their 64
+  // dequantized rows by the staged x with one wgmma per 16 k instead of 2 * nt mma.sync per warp
+  // (fewer instructions and accumulator registers than mt 2). Needs mt 1 and wn % 4 == 0.
+  bool wg = false;
+  int wn = 1, wk = 1;  // warps per CTA along N and K
+  int ck = 1;          // CTAs per cluster along K (1..8)
+  int stages = 4;      // per-warp cp.async ring depth (2..7)
   // A GEMV plan instead (bf16, 1..4 token rows, dense; gemv_bf16.cu): 8 warps per CTA, ks k
   // segments x (8 / ks) row lanes, each warp streaming rpw rows with its x segment in
   // registers. 0: a tiled mma plan (the knobs above).
@@ -91,7 +95,11 @@ constexpr size_t kSkinnyStaticSmem = 1024;
 int linear_chunk_k(LinearWeight w);                                // k per chunk: 64 / 256
 int linear_stage_bytes(LinearWeight w, int mt);                    // one warp's ring slot
 double linear_weight_bytes(LinearWeight w, int64_t n, int64_t k);  // N*K*2 or N*K/2 + N*K/32
-int linear_max_threads(int nt, int mt);                            // the kernel's __launch_bounds__
+// The tiled kernel's __launch_bounds__: warpgroup kernels hold nt * 4 accumulators and 32
+// dequantized A registers a thread, the mma.sync ones 4 * nt * mt accumulators.
+constexpr int linear_max_threads(int nt, int mt, bool wg = false) {
+  return wg ? 256 : nt * mt >= 8 ? 256 : 512;
+}
 // GEMV: 16-byte units of one row's k segment per lane (K / 8 units over ks segments, 32 lanes).
 int gemv_units_per_lane(int64_t k, int ks);
 constexpr int kGemvMaxRows = 4;  // token rows of one GEMV launch (gemv_bf16.cu)
@@ -117,8 +125,8 @@ int gemv_mxfp4_warps(int64_t k, int pieces);
 // memory, threads, more k workers than chunks).
 bool finalize_plan(LinearPlan& p, const DeviceLimits& d);
 
-// Registers per thread of the (nt, mt) kernel instantiation, for occupancy (0: unknown).
-using LinearRegs = std::function<int(int nt, int mt)>;
+// Registers per thread of the (nt, mt, wg) kernel instantiation, for occupancy (0: unknown).
+using LinearRegs = std::function<int(int nt, int mt, bool wg)>;
 // Clusters of tiled plan p's kernel (ck > 1) that the device holds at once, p's CTAs fitting
 // ctas_per_sm to an SM (cudaOccupancyMaxActiveClusters; 0: unknown). A cluster's CTAs must share
 // one GPC, so fewer fit than SMs x CTAs per SM / ck suggests: on an H100, 15 clusters of 8
@@ -161,6 +169,11 @@ void set_cublas_min_rows(int rows);
 // thirteenth stop).
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
+// Warpgroup (wgmma) MXFP4 tilings among the candidates (LinearPlan::wg). Off by default until
+// their GPU tests have passed on a Hopper GPU (written in a session without one): K3_MXFP4_WGMMA=1,
+// or set_mxfp4_wgmma_plans(true) before the first step, offers them; explicit plans run anyway.
+bool mxfp4_wgmma_plans();
+void set_mxfp4_wgmma_plans(bool on);
 // The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
 // steps' attention (on by default; K3_MLA_MMA=0 keeps the fp32 CUDA-core kernel).
 bool mla_tensor_cores();

@@ -8,6 +8,9 @@
 //   kChunk, kStageBytes(MT), kXPermute, kGluInput (x staged from SkinnyArgs::x_glu),
 //   load_chunk<MT>(slot, W, Ws, N, K, row0, chunk, lane)   cp.async of one chunk for one warp
 //   compute_chunk<NT, MT>(acc, slot, xs, pitch, kloc, lane, mx)
+// and, for warpgroup plans (LinearPlan::wg; kWarpgroupMma formats only):
+//   compute_chunk_wg<NT>(acc, slot, x_tiles, lane)   the chunk's 16 wgmma steps, x staged as
+//                                                    their B tiles (sts_x8_wg)
 #pragma once
 
 #include <cooperative_groups.h>
@@ -17,8 +20,11 @@
 
 #include "cuda/device_util.cuh"
 #include "cuda/glu_math.cuh"
+#include "cuda/linear_plan.h"
 #include "cuda/mma.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/wgmma.cuh"
+#include "cuda/wgmma_x_layout.h"
 
 namespace k3::cuda::detail {
 
@@ -95,6 +101,16 @@ __device__ __forceinline__ uint4 permute_x8(uint4 v) {
                     __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
 }
 
+// (Warpgroup MMA, MXFP4) Permuted x unit u of token m into the wgmma B tiles
+// (wgmma_x_layout.h: the four words go to two mma steps' tiles, both k halves).
+template <int NT>
+__device__ __forceinline__ void sts_x8_wg(uint8_t* xs, int m, int u, uint4 v) {
+  *reinterpret_cast<uint32_t*>(xs + wg_x_word_offset(NT, m, u, 0)) = v.x;
+  *reinterpret_cast<uint32_t*>(xs + wg_x_word_offset(NT, m, u, 1)) = v.y;
+  *reinterpret_cast<uint32_t*>(xs + wg_x_word_offset(NT, m, u, 2)) = v.z;
+  *reinterpret_cast<uint32_t*>(xs + wg_x_word_offset(NT, m, u, 3)) = v.w;
+}
+
 // 8 x values of x row xr from k = kk (zero past K): bf16 from x, or, kGlu, bf16(glu(g, u)) from
 // fp32 g and u, rounded as cuda::glu rounds them. x is an earlier kernel's output: not __ldg.
 template <bool kGlu>
@@ -161,7 +177,7 @@ __device__ __forceinline__ void for_each_busy_slot(const SkinnyArgs& a, Fn&& fn)
 // One row tile (blockIdx.x) of one weight: y rows [off, off + mx) = x rows . W^T (a dense
 // launch: off 0; a grouped one: a slot's rows, W its expert's). Uses all of shared memory; the
 // caller syncs the CTA before calling it again.
-template <class Fmt, int NT, int MT>
+template <class Fmt, int NT, int MT, bool kWg>
 __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, const uint8_t* Ws,
                                             int mx, int off, uint8_t* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -201,8 +217,12 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
     const int xr = a.row_index ? a.row_index[off + m] : off + m;
     uint4 v = load_x8<Fmt::kGluInput>(a, xr, k_base + u * 8);
     if constexpr (Fmt::kXPermute) v = permute_x8(v);
-    sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
+    if constexpr (kWg)
+      sts_x8_wg<NT>(xs, m, u, v);
+    else
+      sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
   }
+  if constexpr (kWg) fence_proxy_async_smem();  // the tiles are read by wgmma (async proxy)
   __syncthreads();
 
   float acc[MT][NT][4];
@@ -222,8 +242,15 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
       Fmt::template load_chunk<MT>(ring + nslot * Fmt::stage_bytes(MT), W, Ws, a.n, a.k, row0_w,
                                    w_lo + nx, lane);
     cp_async_commit();
-    Fmt::template compute_chunk<NT, MT>(acc, ring + slot * Fmt::stage_bytes(MT), xs, a.x_pitch,
-                                        (w_lo + i - c_lo) * Fmt::kChunk, lane, mx);
+    if constexpr (kWg) {  // the warpgroup's 4 warps run this loop in step (same w_lo, nchunks)
+      static_assert(MT == 1 && Fmt::kWarpgroupMma, "warpgroup plans: MXFP4, 16 rows per warp");
+      Fmt::template compute_chunk_wg<NT>(
+          acc, ring + slot * Fmt::stage_bytes(MT),
+          smem_addr(xs) + wg_step(w_lo + i - c_lo, 0, 0, 0) * wg_tile_bytes(NT), lane);
+    } else {
+      Fmt::template compute_chunk<NT, MT>(acc, ring + slot * Fmt::stage_bytes(MT), xs, a.x_pitch,
+                                          (w_lo + i - c_lo) * Fmt::kChunk, lane, mx);
+    }
     slot = slot + 1 == a.stages ? 0 : slot + 1;
   }
   cp_async_wait<0>();
@@ -277,14 +304,14 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
 // ... in turn, skipping idle ones (expert < 0 or no rows). gridDim.y is the plan's expected busy
 // slot count, not the slot count: an EP rank at batch 1 has ~1 busy slot of 16, and a grid over
 // every slot spent its time dispatching CTAs that only found their slot idle and exited.
-template <class Fmt, int NT, int MT>
-__global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
+template <class Fmt, int NT, int MT, bool kWg>
+__global__ void __launch_bounds__(linear_max_threads(NT, MT, kWg))
     skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int mx_max = min(a.m, 8 * NT);
   if (!a.slot_expert) {  // dense: x is read after the weight prologue (it waits there)
     pdl_launch_dependents();
-    skinny_tile<Fmt, NT, MT>(a, a.w, a.ws, mx_max, 0, smem);
+    skinny_tile<Fmt, NT, MT, kWg>(a, a.w, a.ws, mx_max, 0, smem);
     return;
   }
   // A grouped launch reads the expert of its slot from an earlier kernel's output: from the
@@ -295,8 +322,8 @@ __global__ void __launch_bounds__(Fmt::max_threads(NT, MT))
   if (!a.slots_ready) pdl_wait();
   pdl_launch_dependents();
   for_each_busy_slot(a, [&](int e, int off, int cnt) {
-    skinny_tile<Fmt, NT, MT>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
-                             min(cnt, mx_max), off, smem);
+    skinny_tile<Fmt, NT, MT, kWg>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
+                                  min(cnt, mx_max), off, smem);
     __syncthreads();  // shared memory is the next slot's
   });
   // A CTA with no busy slot under slots_ready has not waited yet: its kernel must not complete

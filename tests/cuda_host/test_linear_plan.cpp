@@ -1,7 +1,8 @@
 // The skinny-GEMM planner's host logic (cuda/linear_plan.h) without a GPU: which problems get
 // GEMV plans, their limits and shared memory, how they rank against the tilings, batch
-// invariance, the tuner's shortlist, where it offers cuBLAS, and how resident clusters price
-// waves. Runs in CI (no device call: explicit H200 limits, no register or cluster query).
+// invariance, the tuner's shortlist, where it offers cuBLAS, how resident clusters price
+// waves, and the warpgroup (wgmma) tilings. Runs in CI (no device call: explicit H200 limits, no
+// register or cluster query).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -292,6 +293,58 @@ TEST(LinearPlan, ClusterFitPricesTheWaves) {
                                                [](const LinearPlan&, int) { return 0; });
   ASSERT_EQ(unknown.size(), plain.size());
   for (size_t i = 0; i < plain.size(); ++i) EXPECT_EQ(unknown[i].model_us, plain[i].model_us);
+}
+
+// Sets whether the warpgroup tilings are offered, for one scope.
+struct WgmmaScope {
+  bool was = cuda::mxfp4_wgmma_plans();
+  explicit WgmmaScope(bool on) { cuda::set_mxfp4_wgmma_plans(on); }
+  ~WgmmaScope() { cuda::set_mxfp4_wgmma_plans(was); }
+};
+
+// Warpgroup tilings (offered when switched on): MXFP4 only, mt 1 and whole warpgroups along N
+// (64-row sets), x staged as 16 wgmma tiles of nt * 256 bytes per chunk of the CTA's K slice, in
+// every token-tile count; the tuner times at least one; batch invariance keeps the anchor's kind
+// (wgmma and mma.sync may round their in-instruction sums differently).
+TEST(LinearPlan, WarpgroupPlansForMxfp4) {
+  const InvariantScope off(false);
+  {
+    const WgmmaScope off_by_default(false);
+    for (const auto& p : candidates(LinearWeight::MXFP4, 64, 3072, 3584))
+      EXPECT_FALSE(p.wg) << "offered while switched off: " << p.str();
+  }
+  const WgmmaScope on(true);
+  for (int m : {1, 2, 8, 17, 40, 64}) {
+    const auto c = candidates(LinearWeight::MXFP4, m, 3072, 3584);
+    int n_wg = 0;
+    for (const auto& p : c) {
+      if (!p.wg) continue;
+      ++n_wg;
+      EXPECT_EQ(p.mt, 1) << p.str();
+      EXPECT_EQ(p.wn % 4, 0) << p.str();
+      EXPECT_EQ(p.rows_per_cta() % 64, 0) << p.str();
+      EXPECT_LE(p.threads(), cuda::linear_max_threads(p.nt, p.mt, true)) << p.str();
+      const int per_cta = (p.chunks + p.ck - 1) / p.ck;
+      EXPECT_EQ(p.x_bytes, static_cast<size_t>(per_cta) * 16 * p.nt * 256) << p.str();
+      EXPECT_GE(p.smem_bytes, p.x_bytes) << p.str();
+      EXPECT_EQ(p.str().rfind("wg ", 0), 0u) << p.str();
+    }
+    EXPECT_GT(n_wg, 0) << m << " rows";
+    const auto list = cuda::detail::tuning_shortlist(c);
+    EXPECT_TRUE(std::any_of(list.begin(), list.end(), [](const auto& p) { return p.wg; }))
+        << m << " rows: the tuner times a warpgroup plan";
+    std::set<std::string> seen;
+    for (const auto& p : list) EXPECT_TRUE(seen.insert(p.str()).second) << p.str();
+  }
+  for (const auto& p : candidates(LinearWeight::BF16, 64, 3584, 7168)) EXPECT_FALSE(p.wg);
+  LinearPlan bad = candidates(LinearWeight::MXFP4, 64, 3072, 3584).front();
+  bad.gemv_fp4_pieces = 0, bad.wg = true, bad.mt = 1, bad.wn = 6, bad.wk = 1;
+  EXPECT_FALSE(cuda::finalize_plan(bad, cuda::DeviceLimits{})) << "wn % 4 != 0";
+  const auto c = candidates(LinearWeight::MXFP4, 64, 3072, 3584);
+  const auto anchor =
+      std::find_if(c.begin(), c.end(), [](const auto& p) { return !p.wg && !p.streams_rows(); });
+  ASSERT_NE(anchor, c.end());
+  for (const auto& p : cuda::same_k_order(c, *anchor)) EXPECT_FALSE(p.wg) << p.str();
 }
 
 // The read curve the benches judge kernels by (the H200 table's and a card's measured one).

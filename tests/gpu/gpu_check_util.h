@@ -20,6 +20,12 @@ struct Mxfp4GemvScope {
   Mxfp4GemvScope() { cuda::set_mxfp4_gemv_plans(true); }
   ~Mxfp4GemvScope() { cuda::set_mxfp4_gemv_plans(was); }
 };
+// Offers the warpgroup (wgmma) MXFP4 tilings (off by default) within a test.
+struct Mxfp4WgmmaScope {
+  bool was = cuda::mxfp4_wgmma_plans();
+  Mxfp4WgmmaScope() { cuda::set_mxfp4_wgmma_plans(true); }
+  ~Mxfp4WgmmaScope() { cuda::set_mxfp4_wgmma_plans(was); }
+};
 
 struct Tol {
   double ulps;  // bf16 ulps of |ref| (a summation-order change flips at most one rounding)

@@ -401,6 +401,43 @@ TEST(CudaLinearMxfp4, EveryKindOfPlan) {
   }
 }
 
+// Every kind of warpgroup (wgmma) plan against the oracle: 1..8 token tiles (2 to 64 rows, a
+// partial last tile), ragged N (64-row tiles past N) and a K slice per CTA of one chunk up,
+// warps along K, clusters, ring depths; raw codes (every nibble, s = 0, the two-multiply scales)
+// and quantized rows, bf16 and fp32 out. One plan twice gives the same bits.
+TEST(CudaLinearMxfp4, EveryWarpgroupPlan) {
+  const gpu_test::Mxfp4WgmmaScope wgmma_on;
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int64_t shapes[][2] = {{3072, 3584}, {130, 512}, {257, 1024}};
+  int n = 0;
+  for (const int64_t M : {2, 8, 17, 40, 64})
+    for (const auto& s : shapes) {
+      std::vector<cuda::LinearPlan> wg;
+      for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), s[0], s[1]))
+        if (p.wg) wg.push_back(p);
+      ASSERT_FALSE(wg.empty()) << M << " rows, " << s[0] << "x" << s[1];
+      for (const auto& p : diverse_plans(wg)) {
+        ++n;
+        check_fp4_linear(rng, M, s[0], s[1], n % 3 == 0, n % 2 == 0, &p);
+      }
+    }
+  const int64_t M = 33, N = 3072, K = 3584;
+  const Bf16Data x = make_bf16(rng, static_cast<size_t>(M * K), 1.0f);
+  const Fp4Weight w = make_fp4_weight(rng, N, K, true);
+  for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), N, K)) {
+    if (!p.wg) continue;
+    DeviceBuffer<bf16> y1(static_cast<size_t>(M * N)), y2(static_cast<size_t>(M * N));
+    cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y1.data(), N, false,
+                       nullptr);
+    cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y2.data(), N, false,
+                       nullptr);
+    EXPECT_EQ(cuda::to_host<uint16_t>(y1), cuda::to_host<uint16_t>(y2)) << p.str();
+    break;
+  }
+}
+
 // The planner's cluster fit comes from the device (cudaOccupancyMaxActiveClusters): clusters of
 // 8 CTAs that each need over half an SM's shared memory fit at most SMs / 8 at once (fewer where
 // a GPC's SM count is not a multiple of 8: an H100 held 15, not 16), and the model's first
@@ -500,6 +537,35 @@ TEST(CudaLinearMxfp4, GroupedExperts) {
   check_grouped(rng, 3072, 3584, {2, 0}, {1, 3}, 3, 3);
   check_grouped(rng, 130, 512, {1, 0}, {70, 2}, 70, 2);
   check_grouped(rng, 64, 96, {0, 1}, {3, 1}, 3, 2);  // K % 256 != 0: generic kernel
+}
+
+// The grouped launch under warpgroup plans: skipped and empty slots, expert reuse, fewer rows of
+// CTAs than busy slots, slots with fewer rows than the plan's token tiles.
+TEST(CudaLinearMxfp4, GroupedExpertsWarpgroupPlans) {
+  const gpu_test::Mxfp4WgmmaScope wgmma_on;
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  struct Case {
+    int64_t n, k;
+    std::vector<int32_t> experts, counts;
+    int max_rows, n_experts, busy;
+  };
+  const Case cases[] = {{200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 0},
+                        {200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 2},
+                        {3072, 3584, {2, 0}, {17, 3}, 17, 3, 0},
+                        {3584, 3072, {1, -1, 0}, {40, 2, 64}, 64, 2, 1}};
+  for (const Case& c : cases) {
+    std::vector<cuda::LinearPlan> wg;
+    for (const auto& p :
+         cuda::linear_mxfp4_candidates(c.max_rows, c.n, c.k, static_cast<int>(c.experts.size())))
+      if (p.wg) wg.push_back(p);
+    ASSERT_FALSE(wg.empty());
+    for (auto p : {wg.front(), wg.back()}) {
+      p.active_groups = c.busy;
+      check_grouped(rng, c.n, c.k, c.experts, c.counts, c.max_rows, c.n_experts, c.busy, &p);
+    }
+  }
 }
 
 // Every MXFP4 GEMV plan (1..8 rows, 1, 2 or 4 pieces per warp) against the oracle: the expert
