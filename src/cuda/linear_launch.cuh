@@ -30,6 +30,8 @@ using SkinnyKernel = void (*)(SkinnyArgs);
 
 template <class Fmt, bool kWg>
 SkinnyKernel skinny_kernel_of(int nt, int mt) {
+  // Two row tiles a warp (mt 2) exist for mma.sync only.
+  constexpr bool kMt2 = !kWg;
   switch (nt * 10 + mt) {
     case 11:
       return skinny_gemm_kernel<Fmt, 1, 1, kWg>;
@@ -37,24 +39,21 @@ SkinnyKernel skinny_kernel_of(int nt, int mt) {
       return skinny_gemm_kernel<Fmt, 2, 1, kWg>;
     case 41:
       return skinny_gemm_kernel<Fmt, 4, 1, kWg>;
+    case 42:
+      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 4, 2, false>;
+      break;
     case 61:
       return skinny_gemm_kernel<Fmt, 6, 1, kWg>;
+    case 62:
+      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 6, 2, false>;
+      break;
     case 81:
       return skinny_gemm_kernel<Fmt, 8, 1, kWg>;
+    case 82:
+      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 8, 2, false>;
+      break;
     default:
       break;
-  }
-  if constexpr (!kWg) {  // two row tiles a warp: mma.sync only
-    switch (nt * 10 + mt) {
-      case 42:
-        return skinny_gemm_kernel<Fmt, 4, 2, false>;
-      case 62:
-        return skinny_gemm_kernel<Fmt, 6, 2, false>;
-      case 82:
-        return skinny_gemm_kernel<Fmt, 8, 2, false>;
-      default:
-        break;
-    }
   }
   fail("skinny GEMM: no kernel for nt ", nt, ", mt ", mt, kWg ? " (warpgroup)" : "");
 }

@@ -539,6 +539,30 @@ TEST(CudaLinearMxfp4, GroupedExperts) {
   check_grouped(rng, 64, 96, {0, 1}, {3, 1}, 3, 2);  // K % 256 != 0: generic kernel
 }
 
+// A grouped launch's slots (experts, rows) on an n x k expert shape, and its busy-slot count
+// (the plan's rows of CTAs).
+struct GroupedCase {
+  int64_t n, k;
+  std::vector<int32_t> experts, counts;
+  int max_rows, n_experts, busy;
+};
+
+// Case c's candidate plans that pass keep.
+template <class Keep>
+std::vector<cuda::LinearPlan> grouped_plans(const GroupedCase& c, Keep keep) {
+  std::vector<cuda::LinearPlan> out;
+  for (const auto& p :
+       cuda::linear_mxfp4_candidates(c.max_rows, c.n, c.k, static_cast<int>(c.experts.size())))
+    if (keep(p)) out.push_back(p);
+  return out;
+}
+
+// check_grouped of case c under plan p.
+void check_grouped_case(Rng& rng, const GroupedCase& c, cuda::LinearPlan p) {
+  p.active_groups = c.busy;
+  check_grouped(rng, c.n, c.k, c.experts, c.counts, c.max_rows, c.n_experts, c.busy, &p);
+}
+
 // The grouped launch under warpgroup plans: skipped and empty slots, expert reuse, fewer rows of
 // CTAs than busy slots, slots with fewer rows than the plan's token tiles.
 TEST(CudaLinearMxfp4, GroupedExpertsWarpgroupPlans) {
@@ -546,25 +570,15 @@ TEST(CudaLinearMxfp4, GroupedExpertsWarpgroupPlans) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
-  struct Case {
-    int64_t n, k;
-    std::vector<int32_t> experts, counts;
-    int max_rows, n_experts, busy;
-  };
-  const Case cases[] = {{200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 0},
-                        {200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 2},
-                        {3072, 3584, {2, 0}, {17, 3}, 17, 3, 0},
-                        {3584, 3072, {1, -1, 0}, {40, 2, 64}, 64, 2, 1}};
-  for (const Case& c : cases) {
-    std::vector<cuda::LinearPlan> wg;
-    for (const auto& p :
-         cuda::linear_mxfp4_candidates(c.max_rows, c.n, c.k, static_cast<int>(c.experts.size())))
-      if (p.wg) wg.push_back(p);
+  const GroupedCase cases[] = {{200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 0},
+                               {200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 2},
+                               {3072, 3584, {2, 0}, {17, 3}, 17, 3, 0},
+                               {3584, 3072, {1, -1, 0}, {40, 2, 64}, 64, 2, 1}};
+  for (const GroupedCase& c : cases) {
+    const auto wg = grouped_plans(c, [](const cuda::LinearPlan& p) { return p.wg; });
     ASSERT_FALSE(wg.empty());
-    for (auto p : {wg.front(), wg.back()}) {
-      p.active_groups = c.busy;
-      check_grouped(rng, c.n, c.k, c.experts, c.counts, c.max_rows, c.n_experts, c.busy, &p);
-    }
+    check_grouped_case(rng, c, wg.front());
+    check_grouped_case(rng, c, wg.back());
   }
 }
 
@@ -613,26 +627,15 @@ TEST(CudaLinearMxfp4, GroupedExpertsEveryGemvPlan) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
-  struct Case {
-    int64_t n, k;
-    std::vector<int32_t> experts, counts;
-    int max_rows, n_experts, busy;
-  };
-  const Case cases[] = {{200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 0},
-                        {200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 1},
-                        {3072, 3584, {1, 2, 0}, {1, 1, 1}, 1, 3, 1},
-                        {3584, 3072, {-1, 0, 1, -1}, {1, 1, 1, 0}, 1, 2, 2},
-                        {3072, 3584, {2, 0}, {1, 8}, 8, 3, 0}};
-  for (const Case& c : cases) {
-    int n = 0;
-    for (auto p :
-         cuda::linear_mxfp4_candidates(c.max_rows, c.n, c.k, static_cast<int>(c.experts.size()))) {
-      if (!p.gemv_fp4()) continue;
-      ++n;
-      p.active_groups = c.busy;
-      check_grouped(rng, c.n, c.k, c.experts, c.counts, c.max_rows, c.n_experts, c.busy, &p);
-    }
-    EXPECT_EQ(n, 3);
+  const GroupedCase cases[] = {{200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 0},
+                               {200, 512, {3, -1, 0, 3, 1}, {2, 1, 0, 5, 1}, 5, 5, 1},
+                               {3072, 3584, {1, 2, 0}, {1, 1, 1}, 1, 3, 1},
+                               {3584, 3072, {-1, 0, 1, -1}, {1, 1, 1, 0}, 1, 2, 2},
+                               {3072, 3584, {2, 0}, {1, 8}, 8, 3, 0}};
+  for (const GroupedCase& c : cases) {
+    const auto gemv = grouped_plans(c, [](const cuda::LinearPlan& p) { return p.gemv_fp4(); });
+    EXPECT_EQ(gemv.size(), 3u);
+    for (const auto& p : gemv) check_grouped_case(rng, c, p);
   }
 }
 
