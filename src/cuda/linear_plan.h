@@ -1,6 +1,7 @@
 // Launch plans for the skinny decode GEMMs y[M, N] = x[M, K] . W[N, K]^T (M <= 64): how the
 // weight is tiled over warps, CTAs and clusters. Host-only; the kernels are in linear_bf16.cu
-// and linear_mxfp4.cu, their shared body in skinny_gemm.cuh.
+// and linear_mxfp4.cu, their shared body in skinny_gemm.cuh; the process-wide switches declared
+// here are defined in linear_switches.cpp.
 //
 // Tiling. A warp owns 16 * mt rows of W and a contiguous run of k "chunks" (64 k for bf16,
 // 256 k for MXFP4: 128 B of every row) and streams them through its own `stages`-deep cp.async
