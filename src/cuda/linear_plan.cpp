@@ -444,15 +444,19 @@ std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked, 
                        !have([&](const LinearPlan& q) { return q.wk == p.wk; });
     if (novel) out.push_back(p);
   }
-  // The best two warpgroup tilings too, where the model left them out: it prices bytes and
-  // latency, not the instruction counts in which they differ from the mma.sync tilings.
-  int n_wg = static_cast<int>(
-      std::count_if(out.begin(), out.end(), [](const LinearPlan& q) { return q.wg; }));
-  for (const LinearPlan& p : ranked)
-    if (p.wg && n_wg < 2 && !have([&](const LinearPlan& q) { return q.str() == p.str(); })) {
+  // Warpgroup tilings too, where the model left them out (it prices bytes and latency, not the
+  // instruction counts in which they differ from the mma.sync tilings): for each warps-along-N
+  // count (one or two warpgroups a CTA), the best two of distinct cluster sizes.
+  for (int wn : {4, 8}) {
+    const auto same_wn = [&](const LinearPlan& q) { return q.wg && q.wn == wn; };
+    int n = static_cast<int>(std::count_if(out.begin() + n_gemv, out.end(), same_wn));
+    for (const LinearPlan& p : ranked) {
+      if (!same_wn(p) || n >= 2) continue;
+      if (have([&](const LinearPlan& q) { return same_wn(q) && q.ck == p.ck; })) continue;
       out.push_back(p);
-      ++n_wg;
+      ++n;
     }
+  }
   if (with_cublas && !ranked.empty()) {
     const LinearPlan& s = ranked.front();
     out.push_back(cublas_plan(s.m, s.n, s.k));

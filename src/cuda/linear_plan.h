@@ -212,8 +212,9 @@ std::vector<LinearPlan> linear_candidates(LinearWeight w, int m, int64_t n, int6
 namespace detail {
 // The plans the tuner times (linear_launch.cuh), from a model-ranked candidate list: the best
 // six GEMV plans of either kind (where the shape has any), then up to 12 tilings (the top six, then
-// the best of each cluster size and warps-along-K count not yet in), then, with_cublas, the cuBLAS
-// plan.
+// the best of each cluster size and warps-along-K count not yet in), up to two warpgroup tilings
+// of distinct cluster sizes for each of one and two warpgroups a CTA, then, with_cublas, the
+// cuBLAS plan.
 std::vector<LinearPlan> tuning_shortlist(const std::vector<LinearPlan>& ranked,
                                          bool with_cublas = false);
 }  // namespace detail

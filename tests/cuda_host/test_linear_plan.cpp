@@ -304,8 +304,8 @@ struct WgmmaScope {
 
 // Warpgroup tilings (offered when switched on): MXFP4 only, mt 1 and whole warpgroups along N
 // (64-row sets), x staged as 16 wgmma tiles of nt * 256 bytes per chunk of the CTA's K slice, in
-// every token-tile count; the tuner times at least one; batch invariance keeps the anchor's kind
-// (wgmma and mma.sync may round their in-instruction sums differently).
+// every token-tile count; the tuner times some of one and of two warpgroups a CTA; batch invariance
+// keeps the anchor's kind (wgmma and mma.sync may round their in-instruction sums differently).
 TEST(LinearPlan, WarpgroupPlansForMxfp4) {
   const InvariantScope off(false);
   {
@@ -331,8 +331,10 @@ TEST(LinearPlan, WarpgroupPlansForMxfp4) {
     }
     EXPECT_GT(n_wg, 0) << m << " rows";
     const auto list = cuda::detail::tuning_shortlist(c);
-    EXPECT_TRUE(std::any_of(list.begin(), list.end(), [](const auto& p) { return p.wg; }))
-        << m << " rows: the tuner times a warpgroup plan";
+    for (int wn : {4, 8})
+      EXPECT_TRUE(
+          std::any_of(list.begin(), list.end(), [&](const auto& p) { return p.wg && p.wn == wn; }))
+          << m << " rows: the tuner times a warpgroup plan of " << wn / 4 << " warpgroups a CTA";
     std::set<std::string> seen;
     for (const auto& p : list) EXPECT_TRUE(seen.insert(p.str()).second) << p.str();
   }
