@@ -104,7 +104,9 @@ TEST(Safetensors, RoundTripSeveralDtypes) {
     EXPECT_EQ(t.shape, specs[i].shape);
     ASSERT_EQ(t.nbytes, data[i].size());
     ASSERT_NE(t.data, nullptr);  // non-null even for the empty tensor
-    if (t.nbytes > 0) EXPECT_EQ(std::memcmp(t.data, data[i].data(), t.nbytes), 0);
+    if (t.nbytes > 0) {
+      EXPECT_EQ(std::memcmp(t.data, data[i].data(), t.nbytes), 0);
+    }
   }
   // Typed access sees the same floats.
   const TensorView& f32 = st->tensor("w.f32");

@@ -348,13 +348,13 @@ TEST(CudaDsa, TopkEqualsCpuSetWithTiesAndLongContexts) {
   // One workspace for every call: each call must leave it zeroed for the next.
   DeviceBuffer<uint8_t> d_ws(cuda::dsa_topk_workspace_bytes(kMaxRows, stride, 2048));
   d_ws.fill_bytes(0);
-  for (const auto [topk, split] : {std::pair{2048, true},
-                                   {8, true},
-                                   {1, true},
-                                   {2048, true},
-                                   {2048, false},
-                                   {8, false},
-                                   {1, false}}) {
+  for (const auto& [topk, split] : {std::pair{2048, true},
+                                    {8, true},
+                                    {1, true},
+                                    {2048, true},
+                                    {2048, false},
+                                    {8, false},
+                                    {1, false}}) {
     SCOPED_TRACE("topk " + std::to_string(topk) + (split ? " split" : " one CTA per row"));
     const std::vector<Row> rows = {{131072, 0}, {131072, 1},   {100003, 2},
                                    {5000, 3},   {topk, 0},     {topk - 1 > 0 ? topk - 1 : 0, 1},
