@@ -13,7 +13,8 @@
 // bytes) use `us`. Ops whose R copies fit in L2 are marked "warm" (their `us` is L2-hot; lat_us
 // is cold).
 //
-// Usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING]
+// Usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING] [--sweep-only SUBSTRING]
+// (--sweep-only: time only the sweep plans whose description contains it, e.g. to profile one)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -61,7 +62,8 @@ struct Result {
 };
 std::vector<Result> g_results;
 std::vector<std::string> g_sweeps;
-bench::ReadCurve g_card;  // this GPU's read curve, measured first
+std::string g_sweep_only;  // --sweep-only: the sweep times only plans whose str() contains it
+bench::ReadCurve g_card;   // this GPU's read curve, measured first
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -276,6 +278,7 @@ void bench_gemm(Timer& t, const GemmCase& c, const std::vector<int>& ms, bool sw
       double best = 1e30;
       std::string best_plan;
       for (const auto& [p, beyond] : sweep_plans) {
+        if (p.str().find(g_sweep_only) == std::string::npos) continue;
         const double us = t.batched_us(ours(&p), R);
         std::printf("    sweep %-10s M=%-3d %8.2f us  model %6.2f  %s%s\n", shape.c_str(), M, us,
                     p.model_us, p.str().c_str(), beyond ? "  (not in the tuner's list)" : "");
@@ -404,8 +407,12 @@ int main(int argc, char** argv) {
       sweep = false;
     else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc)
       filter = argv[++i];
+    else if (!std::strcmp(argv[i], "--sweep-only") && i + 1 < argc)
+      g_sweep_only = argv[++i];
     else {
-      std::fprintf(stderr, "usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING]\n");
+      std::fprintf(stderr,
+                   "usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING] "
+                   "[--sweep-only SUBSTRING]\n");
       return 2;
     }
   }

@@ -170,9 +170,11 @@ void set_cublas_min_rows(int rows);
 // thirteenth stop).
 bool mxfp4_gemv_plans();
 void set_mxfp4_gemv_plans(bool on);
-// Warpgroup (wgmma) MXFP4 tilings among the candidates (LinearPlan::wg). Off by default until
-// their GPU tests have passed on a Hopper GPU (written in a session without one): K3_MXFP4_WGMMA=1,
-// or set_mxfp4_wgmma_plans(true) before the first step, offers them; explicit plans run anyway.
+// Warpgroup (wgmma) MXFP4 tilings among the candidates (LinearPlan::wg; K3_MXFP4_WGMMA=1, or
+// set_mxfp4_wgmma_plans(true) before the first step, offers them; explicit plans run anyway).
+// Off by default: correct on an H100, but no faster yet (64 rows of 3072x3584: 23.2 against
+// 23.6 us for the best mma.sync tiling, bench/RESULTS.md, twenty-fifth stop), and the step with
+// them is unmeasured.
 bool mxfp4_wgmma_plans();
 void set_mxfp4_wgmma_plans(bool on);
 // The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
