@@ -88,6 +88,17 @@ inline Bf16Weight make_bf16_weight(Rng& rng, int64_t N, int64_t K) {
   return w;
 }
 
+// A GEMM's output y [M, N] (bf16 or fp32 as f32 says) against the oracle on sampled rows: every
+// element written, then within the GEMM tolerance.
+inline void expect_linear_output(Rng& rng, const std::vector<float>& got, const WeightMatrix& w,
+                                 const std::vector<float>& x, int64_t M, int64_t N, int64_t K,
+                                 bool f32, const std::string& what) {
+  expect_all_finite(got, what);
+  const auto rows = sample_rows(rng, N);
+  expect_close(gather(got, N, M, rows), ref_linear(w, x, K, M, rows, !f32),
+               f32 ? kGemmF32Out : kGemmBf16Out, what);
+}
+
 // A spread of tilings (cluster sizes, warps along K, ring depths, row tiles) and the generic
 // kernel, all against the oracle.
 inline std::vector<cuda::LinearPlan> diverse_plans(const std::vector<cuda::LinearPlan>& c) {

@@ -29,16 +29,10 @@ using cuda::DeviceBuffer;
 using gpu_test::Bf16Data;
 using gpu_test::Bf16Weight;
 using gpu_test::diverse_plans;
-using gpu_test::expect_all_finite;
-using gpu_test::expect_close;
-using gpu_test::gather;
-using gpu_test::kGemmBf16Out;
-using gpu_test::kGemmF32Out;
+using gpu_test::expect_linear_output;
 using gpu_test::make_bf16;
 using gpu_test::make_bf16_weight;
 using gpu_test::Out;
-using gpu_test::ref_linear;
-using gpu_test::sample_rows;
 using gpu_test::shape_str;
 
 void check_bf16_linear(Rng& rng, int64_t M, int64_t N, int64_t K, bool f32,
@@ -51,11 +45,7 @@ void check_bf16_linear(Rng& rng, int64_t M, int64_t N, int64_t K, bool f32,
     cuda::linear_bf16(*plan, x.dev.data(), K, w.d.dev.data(), M, y.ptr(), N, f32, nullptr);
   else
     cuda::linear_bf16(x.dev.data(), K, w.d.dev.data(), M, N, K, y.ptr(), N, f32, nullptr);
-  const std::vector<float> got = y.get();
-  expect_all_finite(got, what);
-  const auto rows = sample_rows(rng, N);
-  expect_close(gather(got, N, M, rows), ref_linear(w.wm, x.val, K, M, rows, !f32),
-               f32 ? kGemmF32Out : kGemmBf16Out, what);
+  expect_linear_output(rng, y.get(), w.wm, x.val, M, N, K, f32, what);
 }
 
 TEST(CudaLinearBf16, SmallAndOddShapes) {

@@ -32,10 +32,10 @@ using gpu_test::Bf16Weight;
 using gpu_test::diverse_plans;
 using gpu_test::expect_all_finite;
 using gpu_test::expect_close;
+using gpu_test::expect_linear_output;
 using gpu_test::Fp4Weight;
 using gpu_test::gather;
 using gpu_test::kGemmBf16Out;
-using gpu_test::kGemmF32Out;
 using gpu_test::make_bf16;
 using gpu_test::make_bf16_weight;
 using gpu_test::make_fp4_weight;
@@ -57,11 +57,7 @@ void check_fp4_linear(Rng& rng, int64_t M, int64_t N, int64_t K, bool f32, bool 
   else
     cuda::linear_mxfp4(x.dev.data(), K, w.dp.data(), w.ds.data(), M, N, K, y.ptr(), N, f32,
                        nullptr);
-  const std::vector<float> got = y.get();
-  expect_all_finite(got, what);
-  const auto rows = sample_rows(rng, N);
-  expect_close(gather(got, N, M, rows), ref_linear(w.wm, x.val, K, M, rows, !f32),
-               f32 ? kGemmF32Out : kGemmBf16Out, what);
+  expect_linear_output(rng, y.get(), w.wm, x.val, M, N, K, f32, what);
 }
 
 TEST(CudaLinearMxfp4, SmallShapesAndEveryCode) {

@@ -35,7 +35,6 @@ namespace {
 using cuda::bf16;
 using cuda::DeviceBuffer;
 using gpu_test::bf16_to_floats;
-using gpu_test::bf16_ulp;
 using gpu_test::Bf16Data;
 using gpu_test::expect_all_finite;
 using gpu_test::expect_close;
@@ -45,8 +44,6 @@ using gpu_test::kGlu;
 using gpu_test::kRmsNorm;
 using gpu_test::make_bf16;
 using gpu_test::Out;
-using gpu_test::rms;
-using gpu_test::Tol;
 
 // ============================== row ops ==============================
 
