@@ -109,11 +109,11 @@ struct Mxfp4Format {
     }
   }
 
-  template <int NT, int MT>
-  __device__ static void compute_chunk(float (&acc)[MT][NT][4], const uint8_t* slot,
-                                       const uint8_t* xs, int pitch, int kloc, int lane, int mx) {
+  // This lane's scale bytes of a chunk's rows (sc[i][h]: row tile i, row g + 8 h; .x half 0,
+  // .y half 1), and whether any lane of the warp has a scale above 2^1 (the two-multiply path).
+  template <int MT>
+  __device__ static bool load_scales(const uint8_t* slot, int lane, uint2 (&sc)[MT][2]) {
     const int c = lane & 3;
-    uint2 sc[MT][2];
     bool big = false;
 #pragma unroll
     for (int i = 0; i < MT; ++i)
@@ -122,7 +122,14 @@ struct Mxfp4Format {
         sc[i][h] = lds64(slot + 2048 * MT + ((i * 2 + h) * 32 + lane) * 8);
         big |= ((sc[i][h].x >> (8 * c)) & 0xffu) > 128u || ((sc[i][h].y >> (8 * c)) & 0xffu) > 128u;
       }
-    if (__any_sync(0xffffffffu, big))
+    return __any_sync(0xffffffffu, big);
+  }
+
+  template <int NT, int MT>
+  __device__ static void compute_chunk(float (&acc)[MT][NT][4], const uint8_t* slot,
+                                       const uint8_t* xs, int pitch, int kloc, int lane, int mx) {
+    uint2 sc[MT][2];
+    if (load_scales<MT>(slot, lane, sc))
       compute<NT, MT, true>(acc, slot, sc, xs, pitch, kloc, lane, mx);
     else
       compute<NT, MT, false>(acc, slot, sc, xs, pitch, kloc, lane, mx);
@@ -165,22 +172,15 @@ struct Mxfp4Format {
   template <int NT>
   __device__ static void compute_chunk_wg(float (&acc)[1][NT][4], const uint8_t* slot,
                                           uint32_t x_tiles, int lane) {
-    const int c = lane & 3;
-    uint2 sc[2];
-    bool big = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      sc[h] = lds64(slot + 2048 + (h * 32 + lane) * 8);
-      big |= ((sc[h].x >> (8 * c)) & 0xffu) > 128u || ((sc[h].y >> (8 * c)) & 0xffu) > 128u;
-    }
-    big = __any_sync(0xffffffffu, big);
+    uint2 sc[1][2];
+    const bool big = load_scales<1>(slot, lane, sc);
     uint32_t a[2][4][2][4];  // [half j][word w][step s][fragment register]
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       if (big)
-        dequant_half<true>(slot, sc, j, lane, a[j]);
+        dequant_half<true>(slot, sc[0], j, lane, a[j]);
       else
-        dequant_half<false>(slot, sc, j, lane, a[j]);
+        dequant_half<false>(slot, sc[0], j, lane, a[j]);
       wgmma_fence();
 #pragma unroll
       for (int w = 0; w < 4; ++w)
