@@ -21,6 +21,7 @@
 #include "cuda/device_buffer.h"
 #include "cuda/kda_decode.h"
 #include "gpu/gpu_check_util.h"
+#include "gpu/op_test_util.h"
 #include "model/config.h"
 #include "model/weight_matrix.h"
 #include "test_util.h"
@@ -45,11 +46,7 @@ constexpr Tol kStateBf16{1.0, 1e-6};  // bf16 state, each step from the same (GP
 using cuda::bf16;
 using cuda::DeviceBuffer;
 
-inline std::vector<float> to_floats(const std::vector<uint16_t>& b) {
-  std::vector<float> f(b.size());
-  for (size_t i = 0; i < b.size(); ++i) f[i] = bf16_to_float(b[i]);
-  return f;
-}
+using gpu_test::bf16_to_floats;
 inline std::vector<uint16_t> to_bits(const std::vector<float>& f) {
   std::vector<uint16_t> b(f.size());
   for (size_t i = 0; i < f.size(); ++i) b[i] = float_to_bf16(f[i]);
@@ -96,9 +93,9 @@ struct KdaLayer {
     for (auto& x : a_log) x = std::log(rng.uniform(1.0f, 16.0f));
     o_norm = test::random_normal(rng, D, 0.1f);
     for (auto& x : o_norm) x += 1.0f;
-    conv_state = to_floats(test::random_bf16(rng, c.slots * 3 * Pz * (kKernel - 1), 1.0f));
+    conv_state = bf16_to_floats(test::random_bf16(rng, c.slots * 3 * Pz * (kKernel - 1), 1.0f));
     state = test::random_normal(rng, c.slots * c.heads * D * D, 0.1f);
-    if (c.bf16_state) state = to_floats(to_bits(state));
+    if (c.bf16_state) state = bf16_to_floats(to_bits(state));
     // rows map to a permuted subset of the slots: the others must keep their values.
     std::vector<int32_t> perm(static_cast<size_t>(c.slots));
     for (int s = 0; s < c.slots; ++s) perm[s] = s;
@@ -148,7 +145,7 @@ struct KdaLayer {
     c.rows = static_cast<int>(slots.size());
   }
   std::vector<float> device_state() const {
-    return c.bf16_state ? to_floats(cuda::to_host<uint16_t>(d_state_bf16))
+    return c.bf16_state ? bf16_to_floats(cuda::to_host<uint16_t>(d_state_bf16))
                         : cuda::to_host<float>(d_state_f32);
   }
 
@@ -198,7 +195,7 @@ inline Inputs make_inputs(Rng& rng, const Case& c, int64_t P) {
   Inputs in;
   auto gen = [&](size_t n, std::vector<float>& v, DeviceBuffer<bf16>& d) {
     const auto bits = test::random_bf16(rng, n, 1.0f);
-    v = to_floats(bits);
+    v = bf16_to_floats(bits);
     d = cuda::to_device<bf16>(bits);
   };
   const size_t R = static_cast<size_t>(c.rows), Pz = static_cast<size_t>(P);

@@ -39,10 +39,10 @@ void run_case(const Case& c) {
     // state so the bound stays one ulp (fp32 state: carried independently on both sides).
     std::vector<float> ref_out(out.size());
     for (int r = 0; r < c.rows; ++r) st.cpu_row(r, in.u, in.f, in.b, in.z, ref_out.data() + r * Pz);
-    expect_close(to_floats(cuda::to_host<uint16_t>(out)), ref_out, kOut, "out");
+    expect_close(bf16_to_floats(cuda::to_host<uint16_t>(out)), ref_out, kOut, "out");
     const std::vector<float> gs = st.device_state();
     expect_close(gs, st.state, c.bf16_state ? kStateBf16 : kStateF32, "state (every slot)");
-    EXPECT_EQ(to_floats(cuda::to_host<uint16_t>(st.d_conv_state)), st.conv_state)
+    EXPECT_EQ(bf16_to_floats(cuda::to_host<uint16_t>(st.d_conv_state)), st.conv_state)
         << "conv window (every slot)";
     if (c.bf16_state) st.state = gs;
   }

@@ -153,9 +153,9 @@ void run_case(Case c, bool keep) {
   // slot or token order is O(1) off. (Runs against one-token launches above are exact.)
   const Tol out_tol = c.bf16_state ? Tol{2.0, 1e-2} : kOut;
   const Tol state_tol = c.bf16_state ? Tol{2.0, 1e-2} : kStateF32;
-  expect_close(to_floats(run_out), cpu_out, out_tol, "out vs CPU");
+  expect_close(bf16_to_floats(run_out), cpu_out, out_tol, "out vs CPU");
   expect_close(runs.device_state(), runs.state, state_tol, "state vs CPU");
-  EXPECT_EQ(to_floats(cuda::to_host<uint16_t>(runs.d_conv_state)), runs.conv_state)
+  EXPECT_EQ(bf16_to_floats(cuda::to_host<uint16_t>(runs.d_conv_state)), runs.conv_state)
       << "conv window vs CPU";
 }
 
