@@ -14,7 +14,10 @@
 // is cold).
 //
 // Usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING] [--sweep-only SUBSTRING]
-// (--sweep-only: time only the sweep plans whose description contains it, e.g. to profile one)
+//                    [--phases]
+// (--sweep-only: time only the sweep plans whose description contains it, e.g. to profile one;
+// --phases: under each timed tiled sweep plan, where its cold launches spend their time, from the
+// kernel's phase stamps: skinny_phases.h)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -41,6 +44,7 @@
 #include "graph_timing.h"
 #include "model/weight_matrix.h"
 #include "read_curve.h"
+#include "skinny_phases.h"
 
 namespace k3 {
 namespace {
@@ -63,6 +67,7 @@ struct Result {
 std::vector<Result> g_results;
 std::vector<std::string> g_sweeps;
 std::string g_sweep_only;  // --sweep-only: the sweep times only plans whose str() contains it
+bool g_phases = false;     // --phases: the phase stamps of each timed tiled sweep plan
 bench::ReadCurve g_card;   // this GPU's read curve, measured first
 
 double median(std::vector<double> v) {
@@ -282,6 +287,21 @@ void bench_gemm(Timer& t, const GemmCase& c, const std::vector<int>& ms, bool sw
         const double us = t.batched_us(ours(&p), R);
         std::printf("    sweep %-10s M=%-3d %8.2f us  model %6.2f  %s%s\n", shape.c_str(), M, us,
                     p.model_us, p.str().c_str(), beyond ? "  (not in the tuner's list)" : "");
+        if (g_phases && !p.fallback && !p.cublas && !p.streams_rows()) {
+          const cuda::LinearPlan plan_copy = p;
+          auto stamped = [&](long long* stamps, cudaStream_t s) {
+            if (c.fp4)
+              cuda::linear_mxfp4(plan_copy, dx.data(), K, dw[0].data(), dws[0].data(), M, dy.data(),
+                                 N, false, s, stamps);
+            else
+              cuda::linear_bf16(plan_copy, dx.data(), K,
+                                reinterpret_cast<const bf16*>(dw[0].data()), M, dy.data(), N, false,
+                                s, stamps);
+          };
+          std::printf(
+              "      phases us (median/max over CTAs): %s\n",
+              bench::skinny_phases(p, stamped, t.st, t.scratch.data(), kScratchBytes).c_str());
+        }
         if (us < best) best = us, best_plan = p.str();
       }
       char line[512];
@@ -409,10 +429,12 @@ int main(int argc, char** argv) {
       filter = argv[++i];
     else if (!std::strcmp(argv[i], "--sweep-only") && i + 1 < argc)
       g_sweep_only = argv[++i];
+    else if (!std::strcmp(argv[i], "--phases"))
+      g_phases = true;
     else {
       std::fprintf(stderr,
                    "usage: k3_bench_ops [--quick] [--no-sweep] [--filter SUBSTRING] "
-                   "[--sweep-only SUBSTRING]\n");
+                   "[--sweep-only SUBSTRING] [--phases]\n");
       return 2;
     }
   }

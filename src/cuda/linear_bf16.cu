@@ -121,8 +121,10 @@ detail::SkinnyArgs dense_args(const __nv_bfloat16* x, int64_t ldx, const __nv_bf
 }  // namespace
 
 void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w,
-                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream) {
+                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream,
+                 long long* stamps) {
   K3_CHECK(p.weight == LinearWeight::BF16, "linear_bf16: plan is for another weight format");
+  detail::check_stamps(p, stamps);
   K3_CHECK(M >= 1 && M <= 64 && M <= p.m, "linear_bf16: M = ", M, " for a plan of ", p.m);
   K3_CHECK(p.n >= 1 && p.k >= 1 && p.n <= 0x7fffffff && p.k <= 0x7fffffff, "linear_bf16: shape ",
            p.n, "x", p.k);
@@ -134,8 +136,9 @@ void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const
   K3_CHECK(p.fallback || tiled_ok,
            "linear_bf16: a tiled plan needs K % 8 == 0, ldx % 8 == 0 and "
            "16-byte aligned x and w");
-  detail::launch_skinny<Bf16Format>(
-      p, dense_args(x, ldx, w, static_cast<int>(M), p.n, p.k, y, ldy, y_fp32, {}), stream);
+  detail::SkinnyArgs a = dense_args(x, ldx, w, static_cast<int>(M), p.n, p.k, y, ldy, y_fp32, {});
+  a.stamps = stamps;
+  detail::launch_skinny<Bf16Format>(p, a, stream);
 }
 
 namespace {

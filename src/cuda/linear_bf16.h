@@ -68,7 +68,9 @@ LinearPlan plan_linear_bf16(int m, int64_t n, int64_t k);
 std::vector<LinearPlan> linear_bf16_candidates(int m, int64_t n, int64_t k);
 // One launch under an explicit plan (p.m >= M, p.n == N, p.k == K; M <= 64); p.fallback
 // forces the generic kernel.
+// stamps: null, or the kernel's phase stamps as linear_mxfp4's (profiling, a tiled plan).
 void linear_bf16(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const __nv_bfloat16* w,
-                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream);
+                 int64_t M, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream,
+                 long long* stamps = nullptr);
 
 }  // namespace k3::cuda

@@ -198,6 +198,12 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
   return cudaLaunchKernelEx(&launch.config, fn, a);
 }
 
+// Phase stamps (SkinnyArgs::stamps) exist in the tiled kernel only.
+inline void check_stamps(const LinearPlan& p, const long long* stamps) {
+  K3_CHECK(!stamps || !(p.fallback || p.cublas || p.streams_rows()),
+           "skinny GEMM: phase stamps need a tiled plan, not ", p.str());
+}
+
 template <class Fmt>
 void launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
   K3_CUDA_CHECK(try_launch_skinny<Fmt>(p, a, stream));

@@ -281,8 +281,9 @@ detail::SkinnyArgs grouped_args(const LinearPlan& p, const Mxfp4Grouped& g, cons
 
 void linear_mxfp4(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
                   const uint8_t* w_scales, int64_t M, void* y, int64_t ldy, bool y_fp32,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, long long* stamps) {
   check_shape(p, x, ldx, y, ldy);
+  detail::check_stamps(p, stamps);
   K3_CHECK(p.groups == 1, "linear_mxfp4: a grouped plan for a dense launch");
   K3_CHECK(M >= 1 && M <= 64 && M <= p.m, "linear_mxfp4: M = ", M, " for a plan of ", p.m);
   K3_CHECK(w_packed && w_scales, "linear_mxfp4: null weight");
@@ -292,6 +293,7 @@ void linear_mxfp4(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, cons
   detail::SkinnyArgs a = base_args(p, x, ldx, y, ldy, y_fp32, static_cast<int>(M));
   a.w = w_packed;
   a.ws = w_scales;
+  a.stamps = stamps;
   detail::launch_skinny<Mxfp4Format>(p, a, stream);
 }
 

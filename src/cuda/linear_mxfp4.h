@@ -66,10 +66,11 @@ std::vector<LinearPlan> linear_mxfp4_candidates(int m, int64_t n, int64_t k, int
 // The clusters of tiled plan p's kernel the device holds at once with ctas_per_sm of its CTAs to
 // an SM (the planner's LinearClusterFit; 0: unknown or no clusters).
 int linear_mxfp4_cluster_fit(const LinearPlan& p, int ctas_per_sm);
-// One dense launch (M <= 64) under an explicit plan.
+// One dense launch (M <= 64) under an explicit plan. stamps: null, or (profiling, a tiled plan)
+// [p.grid_x()][kSkinnyStamps] int64 device buffer for the kernel's phase stamps (linear_plan.h).
 void linear_mxfp4(const LinearPlan& p, const __nv_bfloat16* x, int64_t ldx, const uint8_t* w_packed,
                   const uint8_t* w_scales, int64_t M, void* y, int64_t ldy, bool y_fp32,
-                  cudaStream_t stream);
+                  cudaStream_t stream, long long* stamps = nullptr);
 // One grouped launch under an explicit plan (p.groups == g.n_slots, p.m >= rows per slot).
 void linear_mxfp4_grouped(const LinearPlan& p, const Mxfp4Grouped& g, const __nv_bfloat16* x,
                           int64_t ldx, void* y, int64_t ldy, bool y_fp32, cudaStream_t stream);

@@ -88,6 +88,25 @@ struct LinearPlan {
   std::string str() const;
 };
 
+// Phase stamps of the tiled skinny kernel, for profiling (k3_bench_ops --phases): given a stamp
+// buffer, thread 0 of every CTA of a dense launch writes %globaltimer (ns) at its entry and exit
+// and clock64 at each boundary between: prologue issued and the producer waited for, x staged,
+// main loop done, CTA partial sums reduced, cluster synced, cluster sums stored, exit. Layout:
+// [grid_x][kSkinnyStamps] int64. Launches without a buffer pay one uniform branch per boundary.
+enum SkinnyStamp : int {
+  kStampGlobalEntry,
+  kStampEntry,
+  kStampWaited,
+  kStampXStaged,
+  kStampLooped,
+  kStampReduced,
+  kStampClusterSynced,
+  kStampSummed,
+  kStampEnd,
+  kStampGlobalEnd,
+  kSkinnyStamps
+};
+
 // Static shared memory the skinny kernels may hold beside a plan's dynamic smem_bytes (the
 // grouped launch's busy-slot list): finalize_plan keeps the sum within the device's opt-in.
 constexpr size_t kSkinnyStaticSmem = 1024;

@@ -71,7 +71,21 @@ struct SkinnyArgs {
   int res_copy = 0;
   int m = 0, n = 0, k = 0;  // m: token rows (dense) / bound per slot (grouped)
   int wn = 1, wk = 1, ck = 1, stages = 4, chunks = 0, x_pitch = 0, x_bytes = 0;
+  // Profiling (dense launches only): [grid_x][kSkinnyStamps] int64 phase stamps, or null.
+  long long* stamps = nullptr;
 };
+
+// Stamp `which` of this CTA (SkinnyStamp, linear_plan.h): clock64, or %globaltimer for the two
+// global ones. Thread 0 only; the branch is uniform and taken only by profiling launches.
+__device__ __forceinline__ void stamp(const SkinnyArgs& a, int which) {
+  if (!a.stamps || threadIdx.x != 0) return;
+  long long t;
+  if (which == kStampGlobalEntry || which == kStampGlobalEnd)
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  else
+    t = clock64();
+  a.stamps[static_cast<int64_t>(blockIdx.x) * kSkinnyStamps + which] = t;
+}
 
 // Output element o of y (and the epilogue's res): the accumulator rounded as the unfused ops
 // round it (the GEMM's bf16 output, then each add in fp32 rounded to bf16).
@@ -211,6 +225,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
     cp_async_commit();
   }
   if (!a.slot_expert || a.slots_ready) pdl_wait();  // x is the previous kernel's output
+  stamp(a, kStampWaited);
   // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
   for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
     const int m = i / units, u = i % units;
@@ -224,6 +239,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   }
   if constexpr (kWg) fence_proxy_async_smem();  // the tiles are read by wgmma (async proxy)
   __syncthreads();
+  stamp(a, kStampXStaged);
 
   float acc[MT][NT][4];
 #pragma unroll
@@ -255,6 +271,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   }
   cp_async_wait<0>();
   __syncthreads();  // x and the rings are dead: reuse shared memory for the reduction
+  stamp(a, kStampLooped);
 
   // red[wk][mx][bn]: each warp's 16*MT x 8*NT tile, then summed over wk in order into red[0].
   float* red = reinterpret_cast<float*>(smem);
@@ -283,8 +300,11 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
     if (row >= a.n) return;
     store_output(a, static_cast<int64_t>(off + m) * a.ldy + row, v);
   };
+  stamp(a, kStampReduced);
   if (a.ck == 1) {  // same thread, same idx as the sum above: no barrier needed
     for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) store(idx, red[idx]);
+    stamp(a, kStampClusterSynced);
+    stamp(a, kStampSummed);
     return;
   }
   // Cluster: rank q's partial tile is red[0..elems) in its shared memory; this rank sums its
@@ -292,11 +312,13 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
+  stamp(a, kStampClusterSynced);
   const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
   const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
   for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
     store(idx, cluster_sum_in_order(cluster, red + idx, a.ck));
   }
+  stamp(a, kStampSummed);
   cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
@@ -310,8 +332,12 @@ __global__ void __launch_bounds__(linear_max_threads(NT, MT, kWg))
   extern __shared__ __align__(128) uint8_t smem[];
   const int mx_max = min(a.m, 8 * NT);
   if (!a.slot_expert) {  // dense: x is read after the weight prologue (it waits there)
+    stamp(a, kStampGlobalEntry);
+    stamp(a, kStampEntry);
     pdl_launch_dependents();
     skinny_tile<Fmt, NT, MT, kWg>(a, a.w, a.ws, mx_max, 0, smem);
+    stamp(a, kStampEnd);
+    stamp(a, kStampGlobalEnd);
     return;
   }
   // A grouped launch reads the expert of its slot from an earlier kernel's output: from the

@@ -135,6 +135,52 @@ TEST(CudaLinearMxfp4, EveryWarpgroupPlan) {
   }
 }
 
+// Phase stamps (profiling, linear_plan.h): a stamped launch writes the same bits as a plain
+// one, and every CTA's stamps are in phase order, for plans with and without clusters and for
+// warpgroup plans.
+TEST(CudaLinearMxfp4, PhaseStampsInOrderAndSameOutput) {
+  const gpu_test::Mxfp4WgmmaScope wgmma_on;
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int64_t M = 64, N = 3072, K = 3584;
+  const Bf16Data x = make_bf16(rng, static_cast<size_t>(M * K), 1.0f);
+  const Fp4Weight w = make_fp4_weight(rng, N, K, false);
+  std::vector<cuda::LinearPlan> tiled;
+  for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), N, K))
+    if (!p.streams_rows()) tiled.push_back(p);
+  int checked = 0;
+  for (const auto& p : diverse_plans(tiled)) {
+    SCOPED_TRACE(p.str());
+    DeviceBuffer<bf16> y1(static_cast<size_t>(M * N)), y2(static_cast<size_t>(M * N));
+    DeviceBuffer<long long> stamps(static_cast<size_t>(p.grid_x()) * cuda::kSkinnyStamps);
+    cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y1.data(), N, false,
+                       nullptr);
+    cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y2.data(), N, false,
+                       nullptr, stamps.data());
+    EXPECT_EQ(cuda::to_host<uint16_t>(y1), cuda::to_host<uint16_t>(y2));
+    const auto h = cuda::to_host<long long>(stamps);
+    for (int64_t c = 0; c < p.grid_x(); ++c) {
+      const long long* s = h.data() + c * cuda::kSkinnyStamps;
+      for (int i = cuda::kStampEntry; i < cuda::kStampEnd; ++i)
+        ASSERT_LE(s[i], s[i + 1]) << "CTA " << c << ", stamp " << i;
+      ASSERT_LT(s[cuda::kStampEntry], s[cuda::kStampEnd]) << "CTA " << c;
+      ASSERT_LE(s[cuda::kStampGlobalEntry], s[cuda::kStampGlobalEnd]) << "CTA " << c;
+      ASSERT_GT(s[cuda::kStampGlobalEntry], 0) << "CTA " << c;
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 2);
+  const cuda::LinearPlan gemv = cuda::plan_linear_mxfp4(1, N, K);
+  if (gemv.streams_rows()) {  // the GEMV kernels have no stamps: refused, not ignored
+    DeviceBuffer<bf16> y(static_cast<size_t>(N));
+    DeviceBuffer<long long> stamps(static_cast<size_t>(cuda::kSkinnyStamps));
+    EXPECT_THROW(cuda::linear_mxfp4(gemv, x.dev.data(), K, w.dp.data(), w.ds.data(), 1, y.data(), N,
+                                    false, nullptr, stamps.data()),
+                 Error);
+  }
+}
+
 // The planner's cluster fit comes from the device (cudaOccupancyMaxActiveClusters): clusters of
 // 8 CTAs that each need over half an SM's shared memory fit at most SMs / 8 at once (fewer where
 // a GPC's SM count is not a multiple of 8: an H100 held 15, not 16), and the model's first
