@@ -179,11 +179,13 @@ double h200_read_curve_tbps(double bytes) {
 namespace {
 
 // Model constants: leads, to be refitted from the k3_bench_ops plan sweep on the H200.
-constexpr double kLatencyUs = 1.0;    // loaded DRAM latency: in-flight bytes / latency
-constexpr double kSmBwCap = 50e9;     // bytes/s one SM can pull (a guess, see above)
-constexpr double kSmemBw = 200e9;     // shared-memory bytes/s per SM usable here
-constexpr double kL2ToSm = 80e9;      // x staging, bytes/s per SM
-constexpr double kClusterUs = 0.6;    // cluster barrier + DSMEM reduction
+constexpr double kLatencyUs = 1.0;  // loaded DRAM latency: in-flight bytes / latency
+constexpr double kSmBwCap = 50e9;   // bytes/s one SM can pull (a guess, see above)
+constexpr double kSmemBw = 200e9;   // shared-memory bytes/s per SM usable here
+constexpr double kXUnitUs = 0.25;   // x staging, per 16-byte unit of a thread (see below)
+// Cluster barriers + DSMEM reduction: the phase stamps measured ~2 us more than a plan without
+// a cluster (the sync waits for the cluster's slowest CTA, then one DSMEM round trip per sum).
+constexpr double kClusterUs = 2.0;
 constexpr double kCtaReduceUs = 0.3;  // intra-CTA reduction and output
 
 double model_us(const LinearPlan& p, const DeviceLimits& d, int regs, const LinearClusterFit& fit) {
@@ -227,9 +229,13 @@ double model_us(const LinearPlan& p, const DeviceLimits& d, int regs, const Line
   const double bpe = p.weight == LinearWeight::BF16 ? 2.0 : 0.53125;
   const double x_ratio = 2.0 * mx / ((p.wg ? 64.0 : 16.0 * p.mt) * bpe);
   const double t_smem = per_cta * cta_per_sm_max * waves * (2.0 + x_ratio) / kSmemBw * 1e6;
-  const double x_slice = static_cast<double>(mx) * (static_cast<double>(p.k) / p.ck) * 2.0;
-  const double t_x = waves * x_slice * cta_per_sm_max / kL2ToSm * 1e6;
-  (void)kc;
+  // x staging: each thread loads its share of the CTA's x slice one 16-byte unit at a time
+  // (load, permute, store) while the W prologue is in flight, so it costs a round trip per unit
+  // of a thread, not bytes over a bandwidth: the kernel's phase stamps measured ~0.5 us per unit
+  // with x cold (k3_bench_ops --phases), and the plan sweeps fit 0.25 us with x in L2, as in a
+  // step (bench/RESULTS.md, twenty-sixth stop).
+  const double units = std::ceil(static_cast<double>(p.chunks) / p.ck) * kc / 8.0;
+  const double t_x = waves * std::ceil(mx * units / threads) * kXUnitUs;
   const double t_red = (p.ck > 1 ? kClusterUs : 0.0) + kCtaReduceUs;
   return std::max(t_w, t_smem) + waves * kLatencyUs + t_x + t_red;
 }
