@@ -91,7 +91,8 @@ struct LinearPlan {
 // Phase stamps of the tiled skinny kernel, for profiling (k3_bench_ops --phases): given a stamp
 // buffer, thread 0 of every CTA of a dense launch writes %globaltimer (ns) at its entry and exit
 // and clock64 at each boundary between: prologue issued and the producer waited for, x staged,
-// main loop done, CTA partial sums reduced, cluster synced, cluster sums stored, exit. Layout:
+// main loop done, CTA partial sums reduced, cluster synced, cluster sums stored, exit (without a
+// cluster the output stores fall before "cluster synced", which follows them at once). Layout:
 // [grid_x][kSkinnyStamps] int64. Launches without a buffer pay one uniform branch per boundary.
 enum SkinnyStamp : int {
   kStampGlobalEntry,
