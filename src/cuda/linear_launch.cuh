@@ -175,6 +175,9 @@ template <class Fmt>
 cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t stream) {
   K3_CHECK(a.n == p.n && a.k == p.k && a.m <= p.m, "skinny GEMM: plan for ", p.m, "x", p.n, "x",
            p.k, " used for ", a.m, "x", a.n, "x", a.k);
+  // Phase stamps (SkinnyArgs::stamps) exist in the tiled kernel only.
+  K3_CHECK(!a.stamps || !(p.fallback || p.cublas || p.streams_rows()),
+           "skinny GEMM: phase stamps need a tiled plan, not ", p.str());
   if (p.fallback) {
     K3_CHECK(!a.x_glu, "skinny GEMM: the GLU input needs a tiled plan, none fits ", p.m, "x", p.n,
              "x", p.k);
@@ -196,12 +199,6 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
                              dim3(static_cast<unsigned>(p.threads())), p.smem_bytes, stream,
                              static_cast<unsigned>(p.ck > 1 ? p.ck : 0));
   return cudaLaunchKernelEx(&launch.config, fn, a);
-}
-
-// Phase stamps (SkinnyArgs::stamps) exist in the tiled kernel only.
-inline void check_stamps(const LinearPlan& p, const long long* stamps) {
-  K3_CHECK(!stamps || !(p.fallback || p.cublas || p.streams_rows()),
-           "skinny GEMM: phase stamps need a tiled plan, not ", p.str());
 }
 
 template <class Fmt>
