@@ -192,6 +192,7 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
   a.n_slots = p.groups;
   a.x_pitch = p.x_pitch;
   a.x_bytes = static_cast<int>(p.x_bytes);
+  a.x_async = skinny_x_async() ? 1 : 0;
   const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt, p.wg);
   allow_max_smem(reinterpret_cast<const void*>(fn));
   const ClusterLaunch launch(dim3(static_cast<unsigned>(p.grid_x()),

@@ -139,22 +139,29 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
   if (p.chunks < p.ck * p.wk) return false;  // every warp gets at least one chunk
   const int per_cta = (p.chunks + p.ck - 1) / p.ck;
   const int mx = std::min(p.m, 8 * p.nt);
+  const size_t rings =
+      static_cast<size_t>(p.wn * p.wk) * p.stages * linear_stage_bytes(p.weight, p.mt);
+  size_t staging = 0;  // past the rings: x as loaded, before the scatter into the wgmma tiles
   if (p.wg) {
     // wgmma B tiles: 16 steps of 16 k per chunk, each 8 * nt tokens x 32 bytes
-    // (wgmma_x_layout.h); no row pitch.
-    p.x_pitch = 0;
+    // (wgmma_x_layout.h). x_pitch: the row pitch of x as cp.async loads it, under
+    // skinny_x_async() where that fits beside the tiles and rings (0: x goes through registers).
     p.x_bytes =
         static_cast<size_t>(detail::wg_step(per_cta, 0, 0, 0)) * detail::wg_tile_bytes(p.nt);
+    const int raw_pitch = per_cta * kc * 2;
+    const size_t raw = static_cast<size_t>(mx) * raw_pitch;
+    const bool fits =
+        skinny_x_async() && p.x_bytes + rings + raw + kSkinnyStaticSmem <= d.smem_per_block_optin;
+    p.x_pitch = fits ? raw_pitch : 0;
+    staging = fits ? raw : 0;
   } else {
     // Row pitch of the staged x: +64 B (bf16) / +16 B (MXFP4, with a swizzle) keeps the 16-byte
     // fragment reads of one warp conflict-free (skinny_gemm.cuh).
     p.x_pitch = per_cta * kc * 2 + (p.weight == LinearWeight::BF16 ? 64 : 16);
     p.x_bytes = (static_cast<size_t>(mx) * p.x_pitch + 127) / 128 * 128;
   }
-  const size_t rings =
-      static_cast<size_t>(p.wn * p.wk) * p.stages * linear_stage_bytes(p.weight, p.mt);
   const size_t red = static_cast<size_t>(p.wk) * mx * p.rows_per_cta() * sizeof(float);
-  p.smem_bytes = std::max(p.x_bytes + rings, red);
+  p.smem_bytes = std::max(p.x_bytes + rings + staging, red);
   return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
 }
 

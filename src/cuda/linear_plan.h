@@ -197,6 +197,13 @@ void set_mxfp4_gemv_plans(bool on);
 // them is unmeasured.
 bool mxfp4_wgmma_plans();
 void set_mxfp4_wgmma_plans(bool on);
+// The tiled kernel stages x with cp.async, every unit of a thread in flight at once, instead of
+// through registers, one unit of a thread after another (skinny_gemm.cuh; K3_SKINNY_X_ASYNC=1,
+// or set_skinny_x_async(true)). Read at each launch, and by finalize_plan for the warpgroup
+// plans' staging space. Off by default: written for the x staging the phase stamps measured
+// leading the 8- and 64-row launches, not yet run on a GPU (bench/RESULTS.md, 27th stop).
+bool skinny_x_async();
+void set_skinny_x_async(bool on);
 // The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
 // steps' attention (on by default; K3_MLA_MMA=0 keeps the fp32 CUDA-core kernel).
 bool mla_tensor_cores();

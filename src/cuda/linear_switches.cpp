@@ -52,6 +52,10 @@ std::atomic<bool>& mxfp4_wgmma_flag() {
   static std::atomic<bool> on{env_switch("K3_MXFP4_WGMMA", false)};
   return on;
 }
+std::atomic<bool>& skinny_x_async_flag() {
+  static std::atomic<bool> on{env_switch("K3_SKINNY_X_ASYNC", false)};
+  return on;
+}
 }  // namespace
 
 bool mla_tensor_cores() {
@@ -127,6 +131,13 @@ bool mxfp4_wgmma_plans() {
 }
 void set_mxfp4_wgmma_plans(bool on) {
   mxfp4_wgmma_flag().store(on);
+}
+
+bool skinny_x_async() {
+  return skinny_x_async_flag().load();
+}
+void set_skinny_x_async(bool on) {
+  skinny_x_async_flag().store(on);
 }
 
 }  // namespace k3::cuda

@@ -71,6 +71,7 @@ struct SkinnyArgs {
   int res_copy = 0;
   int m = 0, n = 0, k = 0;  // m: token rows (dense) / bound per slot (grouped)
   int wn = 1, wk = 1, ck = 1, stages = 4, chunks = 0, x_pitch = 0, x_bytes = 0;
+  int x_async = 0;  // x through cp.async where the format allows (skinny_x_async())
   // Profiling (dense launches only): [grid_x][kSkinnyStamps] int64 phase stamps, or null.
   long long* stamps = nullptr;
 };
@@ -216,7 +217,14 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   // x slice: 16-byte units of k in [c_lo * kChunk, c_hi * kChunk) for rows 0..mx-1.
   const int units = (c_hi - c_lo) * Fmt::kChunk / 8;
   const int k_base = c_lo * Fmt::kChunk;
-  cp_async_commit();  // an empty group: keeps the ring's group accounting of the prologue
+  // Under a.x_async, x without a GLU goes through cp.async: every unit of a thread in flight at
+  // once. Through registers a thread's loads return one after another, each behind the W
+  // prologue in the memory system (~0.5 us a unit, phase stamps). Warpgroup plans load it past
+  // the rings (x_pitch: its row pitch; 0 where that did not fit) and scatter it into the tiles.
+  const bool x_async = a.x_async && !Fmt::kGluInput && (!kWg || a.x_pitch > 0);
+  // The ring's group accounting: `stages` groups precede the loop, the prologue's stages - 1
+  // and one more (x's, or an empty one when x goes through registers).
+  if (!x_async) cp_async_commit();
   // The W ring prologue: stages - 1 chunks in flight before any compute.
   for (int s = 0; s < a.stages - 1; ++s) {
     if (s < nchunks)
@@ -226,16 +234,46 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   }
   if (!a.slot_expert || a.slots_ready) pdl_wait();  // x is the previous kernel's output
   stamp(a, kStampWaited);
-  // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
-  for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
-    const int m = i / units, u = i % units;
-    const int xr = a.row_index ? a.row_index[off + m] : off + m;
-    uint4 v = load_x8<Fmt::kGluInput>(a, xr, k_base + u * 8);
-    if constexpr (Fmt::kXPermute) v = permute_x8(v);
-    if constexpr (kWg)
-      sts_x8_wg<NT>(xs, m, u, v);
-    else
-      sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
+  const int x_units = mx * units;
+  // [mx][x_pitch] x as loaded: in place (mma.sync; MXFP4 swizzles the units) or past the rings.
+  uint8_t* x_raw = kWg ? smem + a.x_bytes +
+                             static_cast<size_t>(blockDim.x / 32) * a.stages * Fmt::stage_bytes(MT)
+                       : xs;
+  auto raw_unit = [&](int m, int u) {  // where unit u of token m lands first
+    return x_raw + m * a.x_pitch + (kWg ? u : x_unit<Fmt::kXPermute>(u)) * 16;
+  };
+  if (x_async) {
+    for (int i = threadIdx.x; i < x_units; i += blockDim.x) {
+      const int m = i / units, u = i % units;
+      const int xr = a.row_index ? a.row_index[off + m] : off + m;
+      const int kk = k_base + u * 8;
+      const bool valid = kk < a.k;  // zero past K
+      cp_async16(raw_unit(m, u), valid ? a.x + static_cast<int64_t>(xr) * a.ldx + kk : a.x, valid);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();              // this thread's units (and the prologue) have landed
+    if constexpr (Fmt::kXPermute) {  // MXFP4: permute the units this thread copied
+      for (int i = threadIdx.x; i < x_units; i += blockDim.x) {
+        const int m = i / units, u = i % units;
+        const uint4 v = permute_x8(lds128(raw_unit(m, u)));
+        if constexpr (kWg)
+          sts_x8_wg<NT>(xs, m, u, v);
+        else
+          sts128(raw_unit(m, u), v);
+      }
+    }
+  } else {
+    // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
+    for (int i = threadIdx.x; i < x_units; i += blockDim.x) {
+      const int m = i / units, u = i % units;
+      const int xr = a.row_index ? a.row_index[off + m] : off + m;
+      uint4 v = load_x8<Fmt::kGluInput>(a, xr, k_base + u * 8);
+      if constexpr (Fmt::kXPermute) v = permute_x8(v);
+      if constexpr (kWg)
+        sts_x8_wg<NT>(xs, m, u, v);
+      else
+        sts128(raw_unit(m, u), v);
+    }
   }
   if constexpr (kWg) fence_proxy_async_smem();  // the tiles are read by wgmma (async proxy)
   __syncthreads();

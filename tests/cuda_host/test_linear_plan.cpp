@@ -342,6 +342,7 @@ TEST(LinearPlan, WarpgroupPlansForMxfp4) {
       const int per_cta = (p.chunks + p.ck - 1) / p.ck;
       EXPECT_EQ(p.x_bytes, static_cast<size_t>(per_cta) * 16 * p.nt * 256) << p.str();
       EXPECT_GE(p.smem_bytes, p.x_bytes) << p.str();
+      if (p.x_pitch != 0) EXPECT_EQ(p.x_pitch, per_cta * 256 * 2) << p.str();
       EXPECT_EQ(p.str().rfind("wg ", 0), 0u) << p.str();
     }
     EXPECT_GT(n_wg, 0) << m << " rows";
@@ -362,6 +363,33 @@ TEST(LinearPlan, WarpgroupPlansForMxfp4) {
       std::find_if(c.begin(), c.end(), [](const auto& p) { return !p.wg && !p.streams_rows(); });
   ASSERT_NE(anchor, c.end());
   for (const auto& p : cuda::same_k_order(c, *anchor)) EXPECT_FALSE(p.wg) << p.str();
+}
+
+// Under skinny_x_async() a warpgroup plan stages x as loaded past its rings (x_pitch: the raw
+// row pitch) where that fits, and counts the space; switched off (the default) it reserves none.
+TEST(LinearPlan, WarpgroupXStagingSpaceOnlyUnderXAsync) {
+  const InvariantScope off(false);
+  const WgmmaScope on(true);
+  const bool was = cuda::skinny_x_async();
+  for (const bool x_async : {false, true}) {
+    cuda::set_skinny_x_async(x_async);
+    for (int m : {8, 64}) {
+      int staged = 0;
+      for (const auto& p : candidates(LinearWeight::MXFP4, m, 3072, 3584)) {
+        if (!p.wg) continue;
+        if (!x_async) {
+          EXPECT_EQ(p.x_pitch, 0) << p.str();
+          continue;
+        }
+        if (p.x_pitch == 0) continue;
+        ++staged;
+        const size_t rings = static_cast<size_t>(p.wn * p.wk) * p.stages * 2560;
+        EXPECT_GE(p.smem_bytes, p.x_bytes + rings + static_cast<size_t>(m) * p.x_pitch) << p.str();
+      }
+      if (x_async) EXPECT_GT(staged, 0) << m << " rows";
+    }
+  }
+  cuda::set_skinny_x_async(was);
 }
 
 // The read curve the benches judge kernels by (the H200 table's and a card's measured one).

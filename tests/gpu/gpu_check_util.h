@@ -27,6 +27,13 @@ struct Mxfp4WgmmaScope {
   ~Mxfp4WgmmaScope() { cuda::set_mxfp4_wgmma_plans(was); }
 };
 
+// Sets how the tiled GEMM stages x (cp.async or through registers) within a test.
+struct SkinnyXAsyncScope {
+  bool was = cuda::skinny_x_async();
+  explicit SkinnyXAsyncScope(bool on) { cuda::set_skinny_x_async(on); }
+  ~SkinnyXAsyncScope() { cuda::set_skinny_x_async(was); }
+};
+
 struct Tol {
   double ulps;  // bf16 ulps of |ref| (a summation-order change flips at most one rounding)
   double rel;   // times the RMS of the reference

@@ -75,15 +75,19 @@ TEST(CudaLinearBf16, EveryKindOfPlan) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
-  for (int64_t M : {1, 17, 64}) {
-    for (const auto& s : {std::pair<int64_t, int64_t>{768, 7168}, {200, 1000}}) {
-      auto plans =
-          diverse_plans(cuda::linear_bf16_candidates(static_cast<int>(M), s.first, s.second));
-      ASSERT_FALSE(plans.empty());
-      cuda::LinearPlan fb = plans.front();
-      fb.fallback = true;
-      plans.push_back(fb);
-      for (const auto& p : plans) check_bf16_linear(rng, M, s.first, s.second, false, &p);
+  for (const bool x_async : {true, false}) {  // x staged with cp.async, or through registers
+    const gpu_test::SkinnyXAsyncScope x_staging(x_async);
+    SCOPED_TRACE(x_async ? "x through cp.async" : "x through registers");
+    for (int64_t M : {1, 17, 64}) {
+      for (const auto& s : {std::pair<int64_t, int64_t>{768, 7168}, {200, 1000}}) {
+        auto plans =
+            diverse_plans(cuda::linear_bf16_candidates(static_cast<int>(M), s.first, s.second));
+        ASSERT_FALSE(plans.empty());
+        cuda::LinearPlan fb = plans.front();
+        fb.fallback = true;
+        plans.push_back(fb);
+        for (const auto& p : plans) check_bf16_linear(rng, M, s.first, s.second, false, &p);
+      }
     }
   }
 }

@@ -181,6 +181,50 @@ TEST(CudaLinearMxfp4, PhaseStampsInOrderAndSameOutput) {
   }
 }
 
+// x staging (skinny_gemm.cuh): cp.async (the default) and through registers give the same bits,
+// for mma.sync and warpgroup tilings (x loaded past the rings, and through registers where that
+// did not fit), with K ending half way into a chunk (units past K zero-filled); both against the
+// oracle.
+TEST(CudaLinearMxfp4, XStagingModesAgreeBitForBit) {
+  const gpu_test::SkinnyXAsyncScope restore(true);
+  const gpu_test::Mxfp4WgmmaScope wgmma_on;
+  const uint64_t seed = test::test_seed();
+  SCOPED_TRACE(test::seed_trace(seed));
+  Rng rng(seed);
+  const int64_t N = 1024, K = 3200;  // 12.5 chunks of 256 k
+  for (const int64_t M : {5, 64}) {
+    const Bf16Data x = make_bf16(rng, static_cast<size_t>(M * K), 1.0f);
+    const Fp4Weight w = make_fp4_weight(rng, N, K, false);
+    std::vector<cuda::LinearPlan> tiled;
+    for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), N, K))
+      if (!p.streams_rows() && !p.fallback) tiled.push_back(p);
+    std::vector<cuda::LinearPlan> plans = diverse_plans(tiled);
+    for (const bool staged_past_rings : {true, false}) {
+      const auto wg = std::find_if(tiled.begin(), tiled.end(), [&](const auto& p) {
+        return p.wg && (p.x_pitch > 0) == staged_past_rings;
+      });
+      if (wg != tiled.end()) plans.push_back(*wg);
+    }
+    int wg_plans = 0;
+    for (const auto& p : plans) {
+      SCOPED_TRACE(p.str());
+      wg_plans += p.wg;
+      Out y1(static_cast<size_t>(M * N), false), y2(static_cast<size_t>(M * N), false);
+      cuda::set_skinny_x_async(true);
+      cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y1.ptr(), N, false,
+                         nullptr);
+      cuda::set_skinny_x_async(false);
+      cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y2.ptr(), N, false,
+                         nullptr);
+      const std::vector<float> got = y1.get();
+      EXPECT_EQ(got, y2.get());
+      expect_linear_output(rng, got, w.wm, x.val, M, N, K, false,
+                           shape_str("linear_mxfp4 x staging", M, N, K, false, &p));
+    }
+    EXPECT_GE(wg_plans, 1) << M << " rows";
+  }
+}
+
 // The planner's cluster fit comes from the device (cudaOccupancyMaxActiveClusters): clusters of
 // 8 CTAs that each need over half an SM's shared memory fit at most SMs / 8 at once (fewer where
 // a GPC's SM count is not a multiple of 8: an H100 held 15, not 16), and the model's first
