@@ -28,29 +28,29 @@ namespace k3::cuda::detail {
 
 using SkinnyKernel = void (*)(SkinnyArgs);
 
-template <class Fmt, bool kWg>
+template <class Fmt, bool kWg, bool kAlt>
 SkinnyKernel skinny_kernel_of(int nt, int mt) {
   // Two row tiles a warp (mt 2) exist for mma.sync only.
   constexpr bool kMt2 = !kWg;
   switch (nt * 10 + mt) {
     case 11:
-      return skinny_gemm_kernel<Fmt, 1, 1, kWg>;
+      return skinny_gemm_kernel<Fmt, 1, 1, kWg, kAlt>;
     case 21:
-      return skinny_gemm_kernel<Fmt, 2, 1, kWg>;
+      return skinny_gemm_kernel<Fmt, 2, 1, kWg, kAlt>;
     case 41:
-      return skinny_gemm_kernel<Fmt, 4, 1, kWg>;
+      return skinny_gemm_kernel<Fmt, 4, 1, kWg, kAlt>;
     case 42:
-      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 4, 2, false>;
+      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 4, 2, false, kAlt>;
       break;
     case 61:
-      return skinny_gemm_kernel<Fmt, 6, 1, kWg>;
+      return skinny_gemm_kernel<Fmt, 6, 1, kWg, kAlt>;
     case 62:
-      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 6, 2, false>;
+      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 6, 2, false, kAlt>;
       break;
     case 81:
-      return skinny_gemm_kernel<Fmt, 8, 1, kWg>;
+      return skinny_gemm_kernel<Fmt, 8, 1, kWg, kAlt>;
     case 82:
-      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 8, 2, false>;
+      if constexpr (kMt2) return skinny_gemm_kernel<Fmt, 8, 2, false, kAlt>;
       break;
     default:
       break;
@@ -58,15 +58,20 @@ SkinnyKernel skinny_kernel_of(int nt, int mt) {
   fail("skinny GEMM: no kernel for nt ", nt, ", mt ", mt, kWg ? " (warpgroup)" : "");
 }
 
-// The kernel of (nt, mt, wg); warpgroup kernels exist for formats with kWarpgroupMma.
+// The kernel of (nt, mt, wg); warpgroup kernels exist for formats with kWarpgroupMma. alt: the
+// kernels of the alternative forms (x through cp.async, the fast reduction: SkinnyArgs::x_async,
+// fast_reduce), instantiated apart so that the default kernels' code stays as it was measured.
 template <class Fmt>
-SkinnyKernel skinny_kernel(int nt, int mt, bool wg) {
+SkinnyKernel skinny_kernel(int nt, int mt, bool wg, bool alt = false) {
   if constexpr (Fmt::kWarpgroupMma) {
-    if (wg) return skinny_kernel_of<Fmt, true>(nt, mt);
+    if (wg)
+      return alt ? skinny_kernel_of<Fmt, true, true>(nt, mt)
+                 : skinny_kernel_of<Fmt, true, false>(nt, mt);
   } else {
     K3_CHECK(!wg, "skinny GEMM: a warpgroup plan for a format without one");
   }
-  return skinny_kernel_of<Fmt, false>(nt, mt);
+  return alt ? skinny_kernel_of<Fmt, false, true>(nt, mt)
+             : skinny_kernel_of<Fmt, false, false>(nt, mt);
 }
 
 template <class Fmt>
@@ -193,7 +198,8 @@ cudaError_t try_launch_skinny(const LinearPlan& p, SkinnyArgs a, cudaStream_t st
   a.x_pitch = p.x_pitch;
   a.x_bytes = static_cast<int>(p.x_bytes);
   a.x_async = skinny_x_async() ? 1 : 0;
-  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt, p.wg);
+  a.fast_reduce = p.fast_reduce ? 1 : 0;
+  const SkinnyKernel fn = skinny_kernel<Fmt>(p.nt, p.mt, p.wg, a.x_async || a.fast_reduce);
   allow_max_smem(reinterpret_cast<const void*>(fn));
   const ClusterLaunch launch(dim3(static_cast<unsigned>(p.grid_x()),
                                   static_cast<unsigned>(a.slot_expert ? p.slot_ctas() : 1)),

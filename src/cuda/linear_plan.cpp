@@ -160,7 +160,9 @@ bool finalize_plan(LinearPlan& p, const DeviceLimits& d) {
     p.x_pitch = per_cta * kc * 2 + (p.weight == LinearWeight::BF16 ? 64 : 16);
     p.x_bytes = (static_cast<size_t>(mx) * p.x_pitch + 127) / 128 * 128;
   }
-  const size_t red = static_cast<size_t>(p.wk) * mx * p.rows_per_cta() * sizeof(float);
+  p.fast_reduce = skinny_fast_reduce();
+  const size_t red = static_cast<size_t>(p.wk) * mx *
+                     skinny_red_pitch(p.rows_per_cta(), p.fast_reduce) * sizeof(float);
   p.smem_bytes = std::max(p.x_bytes + rings + staging, red);
   return p.smem_bytes + kSkinnyStaticSmem <= d.smem_per_block_optin;
 }

@@ -64,8 +64,11 @@ struct LinearPlan {
   // picks, by measuring it beside the kernels.
   bool cublas = false;
   // Derived by finalize_plan.
-  int chunks = 0;         // k chunks over K
-  int x_pitch = 0;        // bytes per staged x row
+  int chunks = 0;   // k chunks over K
+  int x_pitch = 0;  // bytes per staged x row
+  // The fast form of the tiled kernel's reduction (skinny_reduce.cuh; skinny_fast_reduce() when
+  // the plan was finalized): its tile pitch sizes the plan's shared memory.
+  bool fast_reduce = false;
   size_t x_bytes = 0;     // staged x slice (offset of the W rings)
   size_t smem_bytes = 0;  // dynamic shared memory per CTA
   double model_us = 0;    // the planner's cost estimate
@@ -111,6 +114,12 @@ enum SkinnyStamp : int {
 // Static shared memory the skinny kernels may hold beside a plan's dynamic smem_bytes (the
 // grouped launch's busy-slot list): finalize_plan keeps the sum within the device's opt-in.
 constexpr size_t kSkinnyStaticSmem = 1024;
+
+// Float pitch of the reduction tile's rows (skinny_reduce.cuh): bn output rows, 4 more in the
+// fast form.
+constexpr int skinny_red_pitch(int bn, bool fast) {
+  return fast ? bn + 4 : bn;
+}
 
 // Format constants.
 int linear_chunk_k(LinearWeight w);                                // k per chunk: 64 / 256
@@ -204,6 +213,12 @@ void set_mxfp4_wgmma_plans(bool on);
 // leading the 8- and 64-row launches, not yet run on a GPU (bench/RESULTS.md, 27th stop).
 bool skinny_x_async();
 void set_skinny_x_async(bool on);
+// The fast form of the tiled kernel's reduction (skinny_reduce.cuh: padded tile rows, no
+// write-back of a one-warp K sum, 4 elements' cluster loads in flight; the same sums in the same
+// order). K3_SKINNY_FAST_REDUCE=1, or set_skinny_fast_reduce(true) before plans are made (it
+// is part of a plan). Off by default: not yet run on a GPU (bench/RESULTS.md, 27th stop).
+bool skinny_fast_reduce();
+void set_skinny_fast_reduce(bool on);
 // The MLA decode's tensor-core split kernel (MlaDecodePlan::tensor_cores, mla_decode.h) for the
 // steps' attention (on by default; K3_MLA_MMA=0 keeps the fp32 CUDA-core kernel).
 bool mla_tensor_cores();

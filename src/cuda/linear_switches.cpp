@@ -56,6 +56,10 @@ std::atomic<bool>& skinny_x_async_flag() {
   static std::atomic<bool> on{env_switch("K3_SKINNY_X_ASYNC", false)};
   return on;
 }
+std::atomic<bool>& skinny_fast_reduce_flag() {
+  static std::atomic<bool> on{env_switch("K3_SKINNY_FAST_REDUCE", false)};
+  return on;
+}
 }  // namespace
 
 bool mla_tensor_cores() {
@@ -138,6 +142,13 @@ bool skinny_x_async() {
 }
 void set_skinny_x_async(bool on) {
   skinny_x_async_flag().store(on);
+}
+
+bool skinny_fast_reduce() {
+  return skinny_fast_reduce_flag().load();
+}
+void set_skinny_fast_reduce(bool on) {
+  skinny_fast_reduce_flag().store(on);
 }
 
 }  // namespace k3::cuda

@@ -13,7 +13,6 @@
 //                                                    their B tiles (sts_x8_wg)
 #pragma once
 
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -23,85 +22,12 @@
 #include "cuda/linear_plan.h"
 #include "cuda/mma.cuh"
 #include "cuda/pdl.cuh"
+#include "cuda/skinny_args.cuh"
+#include "cuda/skinny_reduce.cuh"
 #include "cuda/wgmma.cuh"
 #include "cuda/wgmma_x_layout.h"
 
 namespace k3::cuda::detail {
-
-struct SkinnyArgs {
-  // Dense weight: w [N, K] in the format, ws its scales (MXFP4) or null.
-  const void* w = nullptr;
-  const uint8_t* ws = nullptr;
-  // Grouped (MoE): slot s multiplies rows [slot_offsets[s], slot_offsets[s+1]) by expert
-  // slot_expert[s] (< 0: skip), whose matrices are w_table[e] / ws_table[e]; all device arrays.
-  const void* const* w_table = nullptr;
-  const uint8_t* const* ws_table = nullptr;
-  const int32_t* slot_expert = nullptr;   // [groups]
-  const int32_t* slot_offsets = nullptr;  // [groups + 1]
-  const int32_t* row_index = nullptr;     // [rows]: x row of each gathered row, or null (same)
-  int n_slots = 0;                        // groups (the CTAs' y rows take turns over them)
-  // Grouped: the slot arrays were complete before the previous kernel began its work (an earlier
-  // grouped launch of this grouping, which lets its dependents start only after its own wait),
-  // so they are read, and the first weights requested, before waiting on that kernel.
-  int slots_ready = 0;
-  const __nv_bfloat16* x = nullptr;  // [*, ldx] bf16
-  int64_t ldx = 0;
-  // Instead of x (tiled kernel only): x = bf16(glu(g, u)) computed while staging, g at
-  // x_glu[row * ld_glu + k] and u glu_up elements further (fp32, 16-byte aligned rows).
-  const float* x_glu = nullptr;
-  int64_t ld_glu = 0, glu_up = 0;
-  GluAct glu;
-  // Instead of x (bf16 GEMV only, linear_bf16_combined): x row t = the MoE combine (+ latent
-  // RMSNorm) of expert outputs, computed as moe_combine computes it (moe_combine.cuh):
-  // combine_y [*, k] bf16, combine_pos [m * combine_k] int32 or null, combine_w
-  // [m * combine_k] fp32, combine_norm [k] fp32 or null.
-  const __nv_bfloat16* combine_y = nullptr;
-  const int32_t* combine_pos = nullptr;
-  const float* combine_w = nullptr;
-  const float* combine_norm = nullptr;
-  float combine_eps = 0.0f;
-  int combine_k = 0;
-  void* y = nullptr;  // [*, ldy] bf16 or fp32
-  int64_t ldy = 0;
-  int y_fp32 = 0;
-  // bf16 y only, both optional (LinearEpilogue): y = bf16(bf16(acc) + add[.]); then
-  // res[.] = res_copy ? y : bf16(res[.] + y), in place. add / res: [*, ldy] bf16 like y.
-  const __nv_bfloat16* add = nullptr;
-  __nv_bfloat16* res = nullptr;
-  int res_copy = 0;
-  int m = 0, n = 0, k = 0;  // m: token rows (dense) / bound per slot (grouped)
-  int wn = 1, wk = 1, ck = 1, stages = 4, chunks = 0, x_pitch = 0, x_bytes = 0;
-  int x_async = 0;  // x through cp.async where the format allows (skinny_x_async())
-  // Profiling (dense launches only): [grid_x][kSkinnyStamps] int64 phase stamps, or null.
-  long long* stamps = nullptr;
-};
-
-// Stamp `which` of this CTA (SkinnyStamp, linear_plan.h): clock64, or %globaltimer for the two
-// global ones. Thread 0 only; the branch is uniform and taken only by profiling launches.
-__device__ __forceinline__ void stamp(const SkinnyArgs& a, int which) {
-  if (!a.stamps || threadIdx.x != 0) return;
-  long long t;
-  if (which == kStampGlobalEntry || which == kStampGlobalEnd)
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  else
-    t = clock64();
-  a.stamps[static_cast<int64_t>(blockIdx.x) * kSkinnyStamps + which] = t;
-}
-
-// Output element o of y (and the epilogue's res): the accumulator rounded as the unfused ops
-// round it (the GEMM's bf16 output, then each add in fp32 rounded to bf16).
-__device__ __forceinline__ void store_output(const SkinnyArgs& a, int64_t o, float v) {
-  if (a.y_fp32) {
-    static_cast<float*>(a.y)[o] = v;
-    return;
-  }
-  __nv_bfloat16 y = __float2bfloat16_rn(v);
-  if (a.add) y = __float2bfloat16_rn(__bfloat162float(y) + __bfloat162float(a.add[o]));
-  static_cast<__nv_bfloat16*>(a.y)[o] = y;
-  if (a.res)
-    a.res[o] =
-        a.res_copy ? y : __float2bfloat16_rn(__bfloat162float(a.res[o]) + __bfloat162float(y));
-}
 
 // Index of the 16-byte unit u of a staged x row (MXFP4 reads 4 units 64 B apart per quad:
 // flipping bit 1 on odd 128-byte halves spreads them over all banks).
@@ -189,14 +115,49 @@ __device__ __forceinline__ void for_each_busy_slot(const SkinnyArgs& a, Fn&& fn)
   }
 }
 
+// x rows [off, off + mx) (through a.row_index where given), units [0, units) of 8 k from
+// k_base, staged with cp.async: every unit of a thread in flight at once, one commit group,
+// waited for before returning (the W prologue's groups too). The mma.sync kernels copy each
+// unit to its staged place (MXFP4 then permutes it there: the thread that copied it, so no
+// barrier between); the warpgroup ones copy x to [mx][x_pitch] past the W rings and scatter
+// the permuted units into the wgmma tiles at xs = smem. The caller syncs the CTA after.
+template <class Fmt, int NT, int MT, bool kWg>
+__device__ __forceinline__ void stage_x_async(const SkinnyArgs& a, uint8_t* smem, int mx, int units,
+                                              int k_base, int off) {
+  uint8_t* raw = kWg ? smem + a.x_bytes +
+                           static_cast<size_t>(blockDim.x / 32) * a.stages * Fmt::stage_bytes(MT)
+                     : smem;
+  auto unit_at = [&](int m, int u) {  // where unit u of token m lands first
+    return raw + m * a.x_pitch + (kWg ? u : x_unit<Fmt::kXPermute>(u)) * 16;
+  };
+  for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
+    const int m = i / units, u = i % units;
+    const int xr = a.row_index ? a.row_index[off + m] : off + m;
+    const int kk = k_base + u * 8;
+    const bool valid = kk < a.k;  // zero past K
+    cp_async16(unit_at(m, u), valid ? a.x + static_cast<int64_t>(xr) * a.ldx + kk : a.x, valid);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  if constexpr (Fmt::kXPermute) {
+    for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
+      const int m = i / units, u = i % units;
+      const uint4 v = permute_x8(lds128(unit_at(m, u)));
+      if constexpr (kWg)
+        sts_x8_wg<NT>(smem, m, u, v);
+      else
+        sts128(unit_at(m, u), v);
+    }
+  }
+}
+
 // One row tile (blockIdx.x) of one weight: y rows [off, off + mx) = x rows . W^T (a dense
 // launch: off 0; a grouped one: a slot's rows, W its expert's). Uses all of shared memory; the
 // caller syncs the CTA before calling it again.
-template <class Fmt, int NT, int MT, bool kWg>
+template <class Fmt, int NT, int MT, bool kWg, bool kAlt>
 __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, const uint8_t* Ws,
                                             int mx, int off, uint8_t* smem) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
   const int wn_i = warp % a.wn, wk_i = warp / a.wn;
   const int rank = static_cast<int>(blockIdx.x) % a.ck;  // cluster rank (clusters along x)
   const int tile = static_cast<int>(blockIdx.x) / a.ck;
@@ -217,11 +178,11 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   // x slice: 16-byte units of k in [c_lo * kChunk, c_hi * kChunk) for rows 0..mx-1.
   const int units = (c_hi - c_lo) * Fmt::kChunk / 8;
   const int k_base = c_lo * Fmt::kChunk;
-  // Under a.x_async, x without a GLU goes through cp.async: every unit of a thread in flight at
-  // once. Through registers a thread's loads return one after another, each behind the W
-  // prologue in the memory system (~0.5 us a unit, phase stamps). Warpgroup plans load it past
-  // the rings (x_pitch: its row pitch; 0 where that did not fit) and scatter it into the tiles.
-  const bool x_async = a.x_async && !Fmt::kGluInput && (!kWg || a.x_pitch > 0);
+  // x through registers: a thread's loads return one after another, each behind the W prologue
+  // in the memory system (~0.5 us a unit, phase stamps). Under a.x_async (the alternative-form
+  // kernels only, kAlt), x without a GLU goes through cp.async instead (stage_x_async;
+  // warpgroup plans only where their staging space fit: x_pitch > 0).
+  const bool x_async = kAlt && a.x_async && !Fmt::kGluInput && (!kWg || a.x_pitch > 0);
   // The ring's group accounting: `stages` groups precede the loop, the prologue's stages - 1
   // and one more (x's, or an empty one when x goes through registers).
   if (!x_async) cp_async_commit();
@@ -234,37 +195,11 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   }
   if (!a.slot_expert || a.slots_ready) pdl_wait();  // x is the previous kernel's output
   stamp(a, kStampWaited);
-  const int x_units = mx * units;
-  // [mx][x_pitch] x as loaded: in place (mma.sync; MXFP4 swizzles the units) or past the rings.
-  uint8_t* x_raw = kWg ? smem + a.x_bytes +
-                             static_cast<size_t>(blockDim.x / 32) * a.stages * Fmt::stage_bytes(MT)
-                       : xs;
-  auto raw_unit = [&](int m, int u) {  // where unit u of token m lands first
-    return x_raw + m * a.x_pitch + (kWg ? u : x_unit<Fmt::kXPermute>(u)) * 16;
-  };
   if (x_async) {
-    for (int i = threadIdx.x; i < x_units; i += blockDim.x) {
-      const int m = i / units, u = i % units;
-      const int xr = a.row_index ? a.row_index[off + m] : off + m;
-      const int kk = k_base + u * 8;
-      const bool valid = kk < a.k;  // zero past K
-      cp_async16(raw_unit(m, u), valid ? a.x + static_cast<int64_t>(xr) * a.ldx + kk : a.x, valid);
-    }
-    cp_async_commit();
-    cp_async_wait<0>();              // this thread's units (and the prologue) have landed
-    if constexpr (Fmt::kXPermute) {  // MXFP4: permute the units this thread copied
-      for (int i = threadIdx.x; i < x_units; i += blockDim.x) {
-        const int m = i / units, u = i % units;
-        const uint4 v = permute_x8(lds128(raw_unit(m, u)));
-        if constexpr (kWg)
-          sts_x8_wg<NT>(xs, m, u, v);
-        else
-          sts128(raw_unit(m, u), v);
-      }
-    }
+    stage_x_async<Fmt, NT, MT, kWg>(a, smem, mx, units, k_base, off);
   } else {
     // x through registers (MXFP4 permutes it; both overlap the W prologue in flight).
-    for (int i = threadIdx.x; i < x_units; i += blockDim.x) {
+    for (int i = threadIdx.x; i < mx * units; i += blockDim.x) {
       const int m = i / units, u = i % units;
       const int xr = a.row_index ? a.row_index[off + m] : off + m;
       uint4 v = load_x8<Fmt::kGluInput>(a, xr, k_base + u * 8);
@@ -272,7 +207,7 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
       if constexpr (kWg)
         sts_x8_wg<NT>(xs, m, u, v);
       else
-        sts128(raw_unit(m, u), v);
+        sts128(xs + m * a.x_pitch + x_unit<Fmt::kXPermute>(u) * 16, v);
     }
   }
   if constexpr (kWg) fence_proxy_async_smem();  // the tiles are read by wgmma (async proxy)
@@ -311,61 +246,17 @@ __device__ __forceinline__ void skinny_tile(const SkinnyArgs& a, const void* W, 
   __syncthreads();  // x and the rings are dead: reuse shared memory for the reduction
   stamp(a, kStampLooped);
 
-  // red[wk][mx][bn]: each warp's 16*MT x 8*NT tile, then summed over wk in order into red[0].
-  float* red = reinterpret_cast<float*>(smem);
-  const int c = lane & 3;
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = wn_i * 16 * MT + i * 16 + g + (e >= 2 ? 8 : 0);
-        const int m = j * 8 + 2 * c + (e & 1);
-        if (m < mx) red[(wk_i * mx + m) * bn + r] = acc[i][j][e];
-      }
-  __syncthreads();
-  const int elems = mx * bn;
-  for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) {
-    float t = red[idx];
-    for (int q = 1; q < a.wk; ++q) t += red[q * elems + idx];
-    red[idx] = t;
-  }
-
-  auto store = [&](int idx, float v) {
-    const int m = idx / bn, r = idx % bn;
-    const int row = row0_cta + r;
-    if (row >= a.n) return;
-    store_output(a, static_cast<int64_t>(off + m) * a.ldy + row, v);
-  };
-  stamp(a, kStampReduced);
-  if (a.ck == 1) {  // same thread, same idx as the sum above: no barrier needed
-    for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) store(idx, red[idx]);
-    stamp(a, kStampClusterSynced);
-    stamp(a, kStampSummed);
-    return;
-  }
-  // Cluster: rank q's partial tile is red[0..elems) in its shared memory; this rank sums its
-  // share of the elements over ranks 0..ck-1 in order.
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  stamp(a, kStampClusterSynced);
-  const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
-  const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
-  for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
-    store(idx, cluster_sum_in_order(cluster, red + idx, a.ck));
-  }
-  stamp(a, kStampSummed);
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  reduce_tile<NT, MT, kAlt>(a, acc, smem, mx, off, row0_cta, bn, wn_i, wk_i, rank, lane);
 }
 
 // Dense: one tile of W per CTA. Grouped (MoE): the CTAs of row y cover slots y, y + gridDim.y,
 // ... in turn, skipping idle ones (expert < 0 or no rows). gridDim.y is the plan's expected busy
 // slot count, not the slot count: an EP rank at batch 1 has ~1 busy slot of 16, and a grid over
 // every slot spent its time dispatching CTAs that only found their slot idle and exited.
-template <class Fmt, int NT, int MT, bool kWg>
-__global__ void __launch_bounds__(linear_max_threads(NT, MT, kWg))
+// (The one-token-tile kernels of the alternative forms ask for one CTA an SM: left to itself,
+// ptxas gave them 64 registers and 60-128 bytes of spills, where the default kernels use 96.)
+template <class Fmt, int NT, int MT, bool kWg, bool kAlt>
+__global__ void __launch_bounds__(linear_max_threads(NT, MT, kWg), kAlt&& NT == 1 ? 1 : 0)
     skinny_gemm_kernel(const __grid_constant__ SkinnyArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   const int mx_max = min(a.m, 8 * NT);
@@ -373,7 +264,7 @@ __global__ void __launch_bounds__(linear_max_threads(NT, MT, kWg))
     stamp(a, kStampGlobalEntry);
     stamp(a, kStampEntry);
     pdl_launch_dependents();
-    skinny_tile<Fmt, NT, MT, kWg>(a, a.w, a.ws, mx_max, 0, smem);
+    skinny_tile<Fmt, NT, MT, kWg, kAlt>(a, a.w, a.ws, mx_max, 0, smem);
     stamp(a, kStampEnd);
     stamp(a, kStampGlobalEnd);
     return;
@@ -386,8 +277,8 @@ __global__ void __launch_bounds__(linear_max_threads(NT, MT, kWg))
   if (!a.slots_ready) pdl_wait();
   pdl_launch_dependents();
   for_each_busy_slot(a, [&](int e, int off, int cnt) {
-    skinny_tile<Fmt, NT, MT, kWg>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
-                                  min(cnt, mx_max), off, smem);
+    skinny_tile<Fmt, NT, MT, kWg, kAlt>(a, a.w_table[e], a.ws_table ? a.ws_table[e] : nullptr,
+                                        min(cnt, mx_max), off, smem);
     __syncthreads();  // shared memory is the next slot's
   });
   // A CTA with no busy slot under slots_ready has not waited yet: its kernel must not complete

@@ -392,6 +392,31 @@ TEST(LinearPlan, WarpgroupXStagingSpaceOnlyUnderXAsync) {
   cuda::set_skinny_x_async(was);
 }
 
+// Plans finalized under skinny_fast_reduce() carry the fast reduction and size shared memory for
+// its padded tile rows (bn + 4 floats); others the plain bn.
+TEST(LinearPlan, FastReductionSizesItsPaddedTile) {
+  const InvariantScope off(false);
+  const bool was = cuda::skinny_fast_reduce();
+  for (const bool fast : {false, true}) {
+    cuda::set_skinny_fast_reduce(fast);
+    for (const auto w : {LinearWeight::MXFP4, LinearWeight::BF16}) {
+      int tiled = 0;
+      for (const auto& p : candidates(w, 64, 3072, 3584)) {
+        if (p.streams_rows() || p.fallback || p.cublas) continue;
+        ++tiled;
+        EXPECT_EQ(p.fast_reduce, fast) << p.str();
+        const int bn = p.rows_per_cta();
+        EXPECT_EQ(cuda::skinny_red_pitch(bn, fast), fast ? bn + 4 : bn);
+        EXPECT_GE(p.smem_bytes, static_cast<size_t>(p.wk) * std::min(64, 8 * p.nt) *
+                                    cuda::skinny_red_pitch(bn, fast) * sizeof(float))
+            << p.str();
+      }
+      EXPECT_GT(tiled, 0);
+    }
+  }
+  cuda::set_skinny_fast_reduce(was);
+}
+
 // The read curve the benches judge kernels by (the H200 table's and a card's measured one).
 TEST(ReadCurve, InterpolatesLogLinearlyScalesBelowAndHoldsAbove) {
   constexpr double kMiB = 1024.0 * 1024.0;

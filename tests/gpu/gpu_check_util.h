@@ -27,11 +27,18 @@ struct Mxfp4WgmmaScope {
   ~Mxfp4WgmmaScope() { cuda::set_mxfp4_wgmma_plans(was); }
 };
 
-// Sets how the tiled GEMM stages x (cp.async or through registers) within a test.
-struct SkinnyXAsyncScope {
-  bool was = cuda::skinny_x_async();
-  explicit SkinnyXAsyncScope(bool on) { cuda::set_skinny_x_async(on); }
-  ~SkinnyXAsyncScope() { cuda::set_skinny_x_async(was); }
+// Sets how the tiled GEMM stages x (cp.async or through registers) and which form of its
+// reduction plans made from here on take, within a test.
+struct SkinnyFormsScope {
+  bool was_async = cuda::skinny_x_async(), was_fast = cuda::skinny_fast_reduce();
+  SkinnyFormsScope(bool x_async, bool fast_reduce) {
+    cuda::set_skinny_x_async(x_async);
+    cuda::set_skinny_fast_reduce(fast_reduce);
+  }
+  ~SkinnyFormsScope() {
+    cuda::set_skinny_x_async(was_async);
+    cuda::set_skinny_fast_reduce(was_fast);
+  }
 };
 
 struct Tol {

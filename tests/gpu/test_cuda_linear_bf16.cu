@@ -75,9 +75,9 @@ TEST(CudaLinearBf16, EveryKindOfPlan) {
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
-  for (const bool x_async : {true, false}) {  // x staged with cp.async, or through registers
-    const gpu_test::SkinnyXAsyncScope x_staging(x_async);
-    SCOPED_TRACE(x_async ? "x through cp.async" : "x through registers");
+  for (const bool alt : {false, true}) {  // x through cp.async and the fast reduction, or not
+    const gpu_test::SkinnyFormsScope forms(alt, alt);
+    SCOPED_TRACE(alt ? "K3_SKINNY_X_ASYNC=1 K3_SKINNY_FAST_REDUCE=1" : "default forms");
     for (int64_t M : {1, 17, 64}) {
       for (const auto& s : {std::pair<int64_t, int64_t>{768, 7168}, {200, 1000}}) {
         auto plans =

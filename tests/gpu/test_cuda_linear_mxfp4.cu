@@ -181,17 +181,19 @@ TEST(CudaLinearMxfp4, PhaseStampsInOrderAndSameOutput) {
   }
 }
 
-// x staging (skinny_gemm.cuh): cp.async (the default) and through registers give the same bits,
-// for mma.sync and warpgroup tilings (x loaded past the rings, and through registers where that
-// did not fit), with K ending half way into a chunk (units past K zero-filled); both against the
-// oracle.
-TEST(CudaLinearMxfp4, XStagingModesAgreeBitForBit) {
-  const gpu_test::SkinnyXAsyncScope restore(true);
+// The tiled kernel's alternative forms give the default's bits: x staged with cp.async
+// (skinny_gemm.cuh) for mma.sync and warpgroup tilings (x loaded past the rings, or through
+// registers where that did not fit), and the fast reduction (skinny_reduce.cuh) with and
+// without clusters and warps along K; K ends half way into a chunk (units past K zero-filled).
+// The default form is checked against the oracle.
+TEST(CudaLinearMxfp4, AlternativeFormsGiveTheSameBits) {
+  const gpu_test::SkinnyFormsScope defaults(false, false);
   const gpu_test::Mxfp4WgmmaScope wgmma_on;
   const uint64_t seed = test::test_seed();
   SCOPED_TRACE(test::seed_trace(seed));
   Rng rng(seed);
   const int64_t N = 1024, K = 3200;  // 12.5 chunks of 256 k
+  int wg_staged = 0;                 // warpgroup plans run with x loaded past their rings
   for (const int64_t M : {5, 64}) {
     const Bf16Data x = make_bf16(rng, static_cast<size_t>(M * K), 1.0f);
     const Fp4Weight w = make_fp4_weight(rng, N, K, false);
@@ -199,30 +201,38 @@ TEST(CudaLinearMxfp4, XStagingModesAgreeBitForBit) {
     for (const auto& p : cuda::linear_mxfp4_candidates(static_cast<int>(M), N, K))
       if (!p.streams_rows() && !p.fallback) tiled.push_back(p);
     std::vector<cuda::LinearPlan> plans = diverse_plans(tiled);
-    for (const bool staged_past_rings : {true, false}) {
-      const auto wg = std::find_if(tiled.begin(), tiled.end(), [&](const auto& p) {
-        return p.wg && (p.x_pitch > 0) == staged_past_rings;
-      });
-      if (wg != tiled.end()) plans.push_back(*wg);
-    }
+    const auto wg = std::find_if(tiled.begin(), tiled.end(), [](const auto& p) { return p.wg; });
+    if (wg != tiled.end()) plans.push_back(*wg);
     int wg_plans = 0;
     for (const auto& p : plans) {
       SCOPED_TRACE(p.str());
       wg_plans += p.wg;
-      Out y1(static_cast<size_t>(M * N), false), y2(static_cast<size_t>(M * N), false);
+      const auto run = [&](const cuda::LinearPlan& plan, bool x_async) {
+        cuda::set_skinny_x_async(x_async);
+        Out y(static_cast<size_t>(M * N), false);
+        cuda::linear_mxfp4(plan, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y.ptr(), N, false,
+                           nullptr);
+        return y.get();
+      };
+      const std::vector<float> ref = run(p, false);
+      expect_linear_output(rng, ref, w.wm, x.val, M, N, K, false,
+                           shape_str("linear_mxfp4 default forms", M, N, K, false, &p));
+      // The plan again under the switches (fast reduction, staging space past the rings).
+      cuda::LinearPlan alt = p;
       cuda::set_skinny_x_async(true);
-      cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y1.ptr(), N, false,
-                         nullptr);
-      cuda::set_skinny_x_async(false);
-      cuda::linear_mxfp4(p, x.dev.data(), K, w.dp.data(), w.ds.data(), M, y2.ptr(), N, false,
-                         nullptr);
-      const std::vector<float> got = y1.get();
-      EXPECT_EQ(got, y2.get());
-      expect_linear_output(rng, got, w.wm, x.val, M, N, K, false,
-                           shape_str("linear_mxfp4 x staging", M, N, K, false, &p));
+      cuda::set_skinny_fast_reduce(true);
+      const bool fits = cuda::finalize_plan(alt, cuda::device_limits());
+      cuda::set_skinny_fast_reduce(false);
+      EXPECT_EQ(run(p, true), ref) << "x through cp.async";
+      if (!fits) continue;  // the padded reduction tile may not fit beside the rings
+      EXPECT_TRUE(alt.fast_reduce);
+      wg_staged += alt.wg && alt.x_pitch > 0;
+      EXPECT_EQ(run(alt, false), ref) << "fast reduction";
+      EXPECT_EQ(run(alt, true), ref) << "x through cp.async, fast reduction";
     }
     EXPECT_GE(wg_plans, 1) << M << " rows";
   }
+  EXPECT_GE(wg_staged, 1);
 }
 
 // The planner's cluster fit comes from the device (cudaOccupancyMaxActiveClusters): clusters of
