@@ -13,6 +13,8 @@
 # K3_STEP_VARIANTS (space-separated variants, each VAR=VALUE or several joined by commas, e.g.
 # "K3_CUBLAS_PLANS=0 K3_MLA_RING=4,K3_DSA_MMA=0": k3_bench_step once more under each, without the
 # flips, into bench_step_<variant>.log),
+# K3_OPS_VARIANTS (variants as above: k3_bench_ops once more under each, with the same
+# arguments, and a side-by-side table of the sweep plans' times),
 # K3_TEST_VARIANTS (variants as above: k3_gpu_tests once more under each, with
 # K3_TEST_VARIANT_FILTER as its gtest filter if set, e.g. "CudaMla*:CudaStepDiff*"),
 # K3_SANITIZE (a gtest filter: those GPU tests again under compute-sanitizer memcheck and
@@ -70,6 +72,14 @@ if [ -z "${K3_SKIP_OPS:-}" ]; then
   echo "== k3_bench_ops $*" | tee -a "$log"
   "$bin_dir/k3_bench_ops" "$@" 2>&1 | tee "$out_dir/bench_ops.log" | tee -a "$log" >/dev/null
   bench_rc=${PIPESTATUS[0]}
+  for variant in ${K3_OPS_VARIANTS:-}; do
+    echo "== $variant k3_bench_ops $*" | tee -a "$log"
+    # shellcheck disable=SC2086
+    env ${variant//,/ } "$bin_dir/k3_bench_ops" "$@" 2>&1 |
+      tee "$out_dir/bench_ops_${variant//[=,]/_}.log" | tee -a "$log" >/dev/null
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && bench_rc=$rc
+  done
 fi
 
 # KDA / MLA / router timings (optional binary: older carried builds may lack it).
@@ -136,6 +146,24 @@ fi
     awk '/^kernel +shape/{p=1} p' "$out_dir/bench_ops.log"
   fi
   if [ "$bench_rc" -ne 0 ]; then tail -n 5 "$out_dir/bench_ops.log"; fi
+  # Each sweep plan's batched us under the defaults and under each K3_OPS_VARIANTS variant
+  # (same binary, same run), side by side.
+  if [ -n "${K3_OPS_VARIANTS:-}" ] && [ -f "$out_dir/bench_ops.log" ]; then
+    files=("$out_dir/bench_ops.log")
+    header="defaults"
+    for variant in ${K3_OPS_VARIANTS}; do
+      files+=("$out_dir/bench_ops_${variant//[=,]/_}.log")
+      header="$header | $variant"
+    done
+    echo "sweep us: $header"
+    awk 'FNR == 1 { f++ }
+         /^ +sweep / { key = $2 " " $3 " " substr($0, index($0, "model") + 14)
+                       if (!(key in seen)) { seen[key] = 1; order[++n] = key }
+                       us[key, f] = $4 }
+         END { for (i = 1; i <= n; i++) { line = sprintf("  %-60s", order[i])
+                 for (j = 1; j <= f; j++) line = line sprintf(" %8s", ((order[i], j) in us) ? us[order[i], j] : "-")
+                 print line } }' "${files[@]}"
+  fi
   # Skipped benches leave no log.
   if [ -f "$out_dir/bench_attn.log" ]; then
     echo "k3_bench_attn: rc $attn_rc (full output: $out_dir/bench_attn.log)"
