@@ -12,28 +12,21 @@
 
 #include "core/error.h"
 #include "cuda/linear_plan.h"
+#include "cuda_host/plan_test_util.h"
 
 namespace k3 {
 namespace {
 
 using cuda::LinearPlan;
 using cuda::LinearWeight;
-
-std::vector<LinearPlan> candidates(LinearWeight w, int m, int64_t n, int64_t k, int groups = 1) {
-  return cuda::linear_candidates(w, m, n, k, groups, cuda::DeviceLimits{}, nullptr);
-}
+using plan_test::candidates;
+using plan_test::InvariantScope;
+using plan_test::WgmmaScope;
 
 int count_gemv(const std::vector<LinearPlan>& c) {
   return static_cast<int>(
       std::count_if(c.begin(), c.end(), [](const auto& p) { return p.gemv(); }));
 }
-
-// Restores batch invariance after a test that sets it.
-struct InvariantScope {
-  bool was = cuda::batch_invariant();
-  explicit InvariantScope(bool on) { cuda::set_batch_invariant(on); }
-  ~InvariantScope() { cuda::set_batch_invariant(was); }
-};
 
 TEST(LinearPlan, GemvPlansForDenseBf16OfOneToFourRows) {
   const InvariantScope off(false);
@@ -310,13 +303,6 @@ TEST(LinearPlan, XStagingPricedPerUnitOfAThread) {
   EXPECT_LE(per_thread, 8) << tiled->str();
 }
 
-// Sets whether the warpgroup tilings are offered, for one scope.
-struct WgmmaScope {
-  bool was = cuda::mxfp4_wgmma_plans();
-  explicit WgmmaScope(bool on) { cuda::set_mxfp4_wgmma_plans(on); }
-  ~WgmmaScope() { cuda::set_mxfp4_wgmma_plans(was); }
-};
-
 // Warpgroup tilings (offered when switched on): MXFP4 only, mt 1 and whole warpgroups along N
 // (64-row sets), x staged as 16 wgmma tiles of nt * 256 bytes per chunk of the CTA's K slice, in
 // every token-tile count; the tuner times some of one and of two warpgroups a CTA; batch invariance
@@ -342,7 +328,9 @@ TEST(LinearPlan, WarpgroupPlansForMxfp4) {
       const int per_cta = (p.chunks + p.ck - 1) / p.ck;
       EXPECT_EQ(p.x_bytes, static_cast<size_t>(per_cta) * 16 * p.nt * 256) << p.str();
       EXPECT_GE(p.smem_bytes, p.x_bytes) << p.str();
-      if (p.x_pitch != 0) EXPECT_EQ(p.x_pitch, per_cta * 256 * 2) << p.str();
+      if (p.x_pitch != 0) {
+        EXPECT_EQ(p.x_pitch, per_cta * 256 * 2) << p.str();
+      }
       EXPECT_EQ(p.str().rfind("wg ", 0), 0u) << p.str();
     }
     EXPECT_GT(n_wg, 0) << m << " rows";
@@ -363,58 +351,6 @@ TEST(LinearPlan, WarpgroupPlansForMxfp4) {
       std::find_if(c.begin(), c.end(), [](const auto& p) { return !p.wg && !p.streams_rows(); });
   ASSERT_NE(anchor, c.end());
   for (const auto& p : cuda::same_k_order(c, *anchor)) EXPECT_FALSE(p.wg) << p.str();
-}
-
-// Under skinny_x_async() a warpgroup plan stages x as loaded past its rings (x_pitch: the raw
-// row pitch) where that fits, and counts the space; switched off (the default) it reserves none.
-TEST(LinearPlan, WarpgroupXStagingSpaceOnlyUnderXAsync) {
-  const InvariantScope off(false);
-  const WgmmaScope on(true);
-  const bool was = cuda::skinny_x_async();
-  for (const bool x_async : {false, true}) {
-    cuda::set_skinny_x_async(x_async);
-    for (int m : {8, 64}) {
-      int staged = 0;
-      for (const auto& p : candidates(LinearWeight::MXFP4, m, 3072, 3584)) {
-        if (!p.wg) continue;
-        if (!x_async) {
-          EXPECT_EQ(p.x_pitch, 0) << p.str();
-          continue;
-        }
-        if (p.x_pitch == 0) continue;
-        ++staged;
-        const size_t rings = static_cast<size_t>(p.wn * p.wk) * p.stages * 2560;
-        EXPECT_GE(p.smem_bytes, p.x_bytes + rings + static_cast<size_t>(m) * p.x_pitch) << p.str();
-      }
-      if (x_async) EXPECT_GT(staged, 0) << m << " rows";
-    }
-  }
-  cuda::set_skinny_x_async(was);
-}
-
-// Plans finalized under skinny_fast_reduce() carry the fast reduction and size shared memory for
-// its padded tile rows (bn + 4 floats); others the plain bn.
-TEST(LinearPlan, FastReductionSizesItsPaddedTile) {
-  const InvariantScope off(false);
-  const bool was = cuda::skinny_fast_reduce();
-  for (const bool fast : {false, true}) {
-    cuda::set_skinny_fast_reduce(fast);
-    for (const auto w : {LinearWeight::MXFP4, LinearWeight::BF16}) {
-      int tiled = 0;
-      for (const auto& p : candidates(w, 64, 3072, 3584)) {
-        if (p.streams_rows() || p.fallback || p.cublas) continue;
-        ++tiled;
-        EXPECT_EQ(p.fast_reduce, fast) << p.str();
-        const int bn = p.rows_per_cta();
-        EXPECT_EQ(cuda::skinny_red_pitch(bn, fast), fast ? bn + 4 : bn);
-        EXPECT_GE(p.smem_bytes, static_cast<size_t>(p.wk) * std::min(64, 8 * p.nt) *
-                                    cuda::skinny_red_pitch(bn, fast) * sizeof(float))
-            << p.str();
-      }
-      EXPECT_GT(tiled, 0);
-    }
-  }
-  cuda::set_skinny_fast_reduce(was);
 }
 
 // The read curve the benches judge kernels by (the H200 table's and a card's measured one).
