@@ -23,32 +23,46 @@
 
 namespace k3::cuda::detail {
 
-// Sums element idx of every rank's partial tile (at `red` in each CTA's shared memory) in rank
-// order and stores it, for idx in [lo, hi) with this thread's stride; kInFlight elements' loads
-// are issued before any is summed.
-template <int kInFlight, class Cluster, class Store>
-__device__ __forceinline__ void cluster_sums(Cluster& cluster, float* red, int ck, int lo, int hi,
-                                             Store&& store) {
-  const int stride = static_cast<int>(blockDim.x);
-  for (int base = lo + static_cast<int>(threadIdx.x); base < hi; base += kInFlight * stride) {
-    float v[kInFlight][8];
+// The cluster phase: rank q's partial tile is red[0..elems) in its shared memory; this rank sums
+// its share of the elements over ranks 0..ck-1 in order and stores each (store(idx, sum)), with
+// kInFlight elements' remote loads issued before any is summed (1: one element's ck loads at a
+// time). Syncs the cluster before and after (no CTA leaves while another reads its memory).
+template <int kInFlight, class Store>
+__device__ __forceinline__ void cluster_reduce_store(const SkinnyArgs& a, float* red, int elems,
+                                                     int rank, Store&& store) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  stamp(a, kStampClusterSynced);
+  const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
+  const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
+  if constexpr (kInFlight == 1) {
+    for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x)
+      store(idx, cluster_sum_in_order(cluster, red + idx, a.ck));
+  } else {
+    const int stride = static_cast<int>(blockDim.x);
+    for (int base = lo + static_cast<int>(threadIdx.x); base < hi; base += kInFlight * stride) {
+      float v[kInFlight][8];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int idx = base + u * stride;
+      for (int u = 0; u < kInFlight; ++u) {
+        const int idx = base + u * stride;
 #pragma unroll
-      for (int q = 0; q < 8; ++q)
-        v[u][q] = q < ck && idx < hi ? *cluster.map_shared_rank(red + idx, q) : 0.0f;
-    }
+        for (int q = 0; q < 8; ++q)
+          v[u][q] = q < a.ck && idx < hi ? *cluster.map_shared_rank(red + idx, q) : 0.0f;
+      }
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      float t = 0.0f;
+      for (int u = 0; u < kInFlight; ++u) {
+        float t = 0.0f;
 #pragma unroll
-      for (int q = 0; q < 8; ++q)
-        if (q < ck) t += v[u][q];
-      const int idx = base + u * stride;
-      if (idx < hi) store(idx, t);
+        for (int q = 0; q < 8; ++q)
+          if (q < a.ck) t += v[u][q];
+        const int idx = base + u * stride;
+        if (idx < hi) store(idx, t);
+      }
     }
   }
+  stamp(a, kStampSummed);
+  cluster.sync();
 }
 
 // Each warp's accumulators into its tile of red[wk][mx][pitch] (element idx of a tile: token
@@ -100,15 +114,7 @@ __device__ __forceinline__ void reduce_tile_fast(const SkinnyArgs& a, const floa
   if (a.wk > 1)
     for (int idx = threadIdx.x; idx < elems; idx += blockDim.x) red[idx] = wk_sum(idx);
   stamp(a, kStampReduced);
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  stamp(a, kStampClusterSynced);
-  const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
-  const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
-  cluster_sums<4>(cluster, red, a.ck, lo, hi, store);
-  stamp(a, kStampSummed);
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  cluster_reduce_store<4>(a, red, elems, rank, store);
 }
 
 // acc: this warp's 16*MT rows x 8*NT tokens (mma accumulator layout) of the CTA's bn-row tile;
@@ -146,19 +152,7 @@ __device__ __forceinline__ void reduce_tile(const SkinnyArgs& a, const float (&a
     stamp(a, kStampSummed);
     return;
   }
-  // Cluster: rank q's partial tile is red[0..elems) in its shared memory; this rank sums its
-  // share of the elements over ranks 0..ck-1 in order.
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  stamp(a, kStampClusterSynced);
-  const int lo = static_cast<int>(static_cast<int64_t>(elems) * rank / a.ck);
-  const int hi = static_cast<int>(static_cast<int64_t>(elems) * (rank + 1) / a.ck);
-  for (int idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
-    store(idx, cluster_sum_in_order(cluster, red + idx, a.ck));
-  }
-  stamp(a, kStampSummed);
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  cluster_reduce_store<1>(a, red, elems, rank, store);
 }
 
 }  // namespace k3::cuda::detail
